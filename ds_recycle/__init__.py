@@ -1,0 +1,1 @@
+"""ds_recycle: ReCycle for DeepSpeed pipelines."""

@@ -1,0 +1,23 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="ds-recycle",
+    version="0.1.0",
+    description="ReCycle: resilient DeepSpeed pipeline training through GPU failures, without spare servers",
+    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["ds_recycle", "ds_recycle.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        # torch is pinned by the install step (torch==2.13.0, CPU wheel) before this package;
+        # a range that 2.13.0 satisfies keeps pip from pulling a CUDA build.
+        "torch>=2.13",
+        "deepspeed==0.19.8",
+        "mip>=2.0",
+        "pyyaml",
+        "wandb",
+        "matplotlib",
+    ],
+    extras_require={"test": ["pytest", "hypothesis", "ruff"], "highs": ["mip[highs]"]},
+    entry_points={"console_scripts": ["ds-recycle=ds_recycle.cli:main"]},
+)
