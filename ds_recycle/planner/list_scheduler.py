@@ -179,7 +179,7 @@ class _SchedulerState:
 
     def _place_steps(self) -> None:
         last_w = {}
-        for (p, s), ops in self.ops.items():
+        for p, s in self.workers:
             last_w[s] = max(last_w.get(s, 0.0), self.free_at[(p, s)])
         everything_done = max(last_w.values(), default=0.0)
         for w in self.workers:
