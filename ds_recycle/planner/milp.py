@@ -132,15 +132,37 @@ def plan_milp(
     began = time.perf_counter()
     costs = costs or CostModel.uniform(stages)
     failed = tuple(sorted({(int(p), int(s)) for p, s in failed}))
-    bound = lower_bound(pipelines, stages, microbatches, failed, costs)  # raises NoSurvivorError
+    if memory_cap is None:
+        memory_cap = warm_start.memory_cap if warm_start is not None else stages
+    bound = lower_bound(pipelines, stages, microbatches, failed, costs, memory_cap)  # raises NoSurvivorError
     if warm_start is None:
         warm_start = plan_heuristic(pipelines, stages, microbatches, failed, costs, memory_cap, options=options)
-    cap = warm_start.memory_cap if memory_cap is None else memory_cap
+    cap = memory_cap
     _check_warm_start(warm_start, pipelines, stages, microbatches, failed, costs, cap)
     validate(warm_start)
     warm_time = _makespan(warm_start.workers)
 
     deadline = began + max(0.1, time_limit)
+    if warm_time <= bound + _EPS:
+        return _finish(
+            warm_start,
+            options,
+            bound,
+            began,
+            MilpStats(
+                available_solver(),
+                "WARM_START_AT_BOUND",
+                0,
+                0,
+                None,
+                warm_time,
+                bound,
+                False,
+                0.0,
+                ["the warm start meets the lower bound"],
+            ),
+            0.0,
+        )
     builder = _ModelBuilder(
         pipelines, stages, microbatches, failed, costs, cap, options, warm_start, bound, solver_name, threads
     )
@@ -164,8 +186,7 @@ def plan_milp(
             incumbent, failed, costs, cap, options, bound, builder.solver_name, threads, deadline
         )
         improved = improved or lns_improved
-    workers = incumbent.workers
-    iteration_time = _makespan(workers)
+    iteration_time = _makespan(incumbent.workers)
     if proved and not improved:
         objective_bound = max(objective_bound, iteration_time)
     gap = max(0.0, (iteration_time - objective_bound) / iteration_time) if iteration_time > 0 else 0.0
@@ -184,21 +205,29 @@ def plan_milp(
         build_seconds=build_seconds,
         notes=builder.notes,
     )
+    return _finish(incumbent, options, bound, began, stats, gap)
+
+
+def _finish(
+    incumbent: Plan, options: ScheduleOptions, bound: float, began: float, stats: MilpStats, gap: float
+) -> Plan:
+    from ds_recycle.planner.validator import validate
+
     plan = Plan(
-        pipelines=pipelines,
-        stages=stages,
-        microbatches=microbatches,
-        failed=failed,
-        costs=costs,
-        memory_cap=cap,
-        workers={w: list(ops) for w, ops in workers.items()},
-        iteration_time=iteration_time,
+        pipelines=incumbent.pipelines,
+        stages=incumbent.stages,
+        microbatches=incumbent.microbatches,
+        failed=tuple(sorted(tuple(w) for w in incumbent.failed)),
+        costs=incumbent.costs,
+        memory_cap=incumbent.memory_cap,
+        workers={w: list(ops) for w, ops in incumbent.workers.items()},
+        iteration_time=_makespan(incumbent.workers),
         lower_bound=bound,
         solver="milp",
         gap=gap,
-        extra={"milp": stats.to_dict(), "options": {"decoupled": options.decoupled, "staggered": options.staggered}},
+        extra={"decoupled": options.decoupled, "staggered": options.staggered, "milp": stats.to_dict()},
     )
-    plan.steady_state_period = _steady_state_period(plan, warm_start, improved)
+    plan.steady_state_period = _steady_state_period(plan)
     plan.solve_seconds = time.perf_counter() - began
     validate(plan)
     return plan
@@ -278,13 +307,9 @@ def _makespan(workers: dict[Worker, list[Op]]) -> float:
     return max((op.end for ops in workers.values() for op in ops), default=0.0)
 
 
-def _steady_state_period(plan: Plan, warm_start: Plan, improved: bool) -> float:
-    if not improved and warm_start.steady_state_period:
-        return warm_start.steady_state_period
-    try:
-        from ds_recycle.sim.simulator import simulate
-    except ImportError:  # the simulator is optional for the planner itself
-        return 0.0
+def _steady_state_period(plan: Plan) -> float:
+    from ds_recycle.sim.simulator import simulate
+
     return float(simulate(plan, iterations=4).steady_state_period)
 
 
@@ -393,7 +418,7 @@ class _ModelBuilder:
                 for op in pinned:
                     by_worker.setdefault(self.cand[op[1:]][0], []).append(op)
                 for chain in by_worker.values():
-                    out.extend((a, b, True) for a, b in zip(chain, chain[1:]))
+                    out.extend((a, b, True) for a, b in zip(chain, chain[1:], strict=False))
                 for i, a in enumerate(group):
                     for b in group[i + 1 :]:
                         if self.fixed(a[1:]) and self.fixed(b[1:]):
@@ -420,9 +445,9 @@ class _ModelBuilder:
         for worker_ops in self._pinned_ops_by_worker(s).values():
             worker_ops.sort(key=self._warm_key)
             inside = [lo <= self.warm_start_of[op] < hi for op in worker_ops]
-            outside = [op for op, flag in zip(worker_ops, inside) if not flag]
-            out.extend((a, b, True) for a, b in zip(outside, outside[1:]))
-            block = [op for op, flag in zip(worker_ops, inside) if flag]
+            outside = [op for op, flag in zip(worker_ops, inside, strict=False) if not flag]
+            out.extend((a, b, True) for a, b in zip(outside, outside[1:], strict=False))
+            block = [op for op, flag in zip(worker_ops, inside, strict=False) if flag]
             if not block:
                 continue
             first = inside.index(True)
