@@ -1,0 +1,209 @@
+"""StaggeredStep: each stage reduces its own gradients over its DP group and steps as soon as
+its own last W is done. Nothing in it waits for another stage's progress.
+
+Three things in stock DeepSpeed couple the stages at the optimizer step; this module replaces
+each of them with a message that is sent early and received only when it is already there:
+
+- **Tied weights** (e.g. an embedding shared by the first and last stage). The lowest stage
+  holding a tied weight owns it. Every other holder (a follower) sends its local gradient to the
+  owner when it steps, and takes no step on that weight itself. The owner adds the followers'
+  gradients before its DP reduction, exactly as DeepSpeed's tied all-reduce does, steps, and sends
+  the updated weight back. A follower installs it when its iteration ends: it could not run its
+  next forward before the owner's stage had stepped anyway.
+- **Global-norm gradient clipping**, post-validated (as Zero Bubble does). Each stage steps at
+  once as if no clipping were needed, keeping its reduced gradients and a snapshot of its
+  parameters and optimizer state, and sends the squared norm of its gradients to the other stages
+  of its pipeline. When the iteration ends every stage has every partial norm (the first stage,
+  which finishes last, has sent its own), computes the true global norm in one fixed order, and,
+  only if clipping applies, restores the snapshot and steps again with the clipped gradients.
+  The cost is the snapshot, and a second step on iterations that clip.
+- **The loss**: the last stage averages it over its DP group and sends it to the other stages of
+  its pipeline, which receive it when their iteration ends. No broadcast.
+
+With ``staggered_optimizer: false`` the step is synchronous instead: the partial norms are summed
+by an all-reduce over the pipeline before any stage steps.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ds_recycle.engine.routing import GRAD_NORM, LOSS, TIED_GRADIENT, TIED_WEIGHT, PeerChannel
+
+CLIP_EPSILON = 1e-6  # the epsilon of DeepSpeed's and torch's clip_grad_norm_
+
+
+@dataclass
+class TiedWeight:
+    index: int
+    param: torch.nn.Parameter
+    owner_stage: int
+    stages: list[int]
+
+
+@dataclass
+class _PendingValidation:
+    snapshot_params: list[torch.Tensor]
+    snapshot_optimizer: dict
+    reduced_grads: list[torch.Tensor | None]
+    partial_sq_norm: float
+    sends: list = field(default_factory=list)
+
+
+class StageStepper:
+    """Runs the StaggeredStep of one worker and closes its iteration."""
+
+    def __init__(self, engine, channel: PeerChannel, synchronous: bool):
+        self.engine = engine
+        self.channel = channel
+        self.synchronous = synchronous
+        self.pipeline = engine.grid.get_data_parallel_id()
+        self.stage = engine.stage_id
+        self.stages = engine.num_stages
+        self.tied = self._tied_weights()
+        self._pending: _PendingValidation | None = None
+        self.last_grad_norm: float | None = None
+
+    def _tied_weights(self) -> list[TiedWeight]:
+        module = self.engine.module
+        tied, index = [], 0
+        for key, comm in sorted(module.tied_comms.items()):
+            stages = sorted(self.engine.grid._topo.get_coord(r).pipe for r in comm["ranks"])
+            for attr in comm["weight_attr"]:
+                param = module._recursive_getattr(module.tied_modules[key], attr)
+                tied.append(TiedWeight(index, param, stages[0], stages))
+                index += 1
+        return tied
+
+    @property
+    def clip(self) -> float:
+        return float(self.engine.gradient_clipping() or 0.0)
+
+    def step(self) -> None:
+        engine = self.engine
+        self._exchange_tied_gradients()
+        engine._exec_reduce_grads()
+        followed = [t.param for t in self.tied if t.owner_stage != self.stage]
+        params = [p for p in engine.module.parameters() if p.requires_grad]
+        counted = [p for p in params if not any(p is f for f in followed)]
+        if engine.is_last_stage():
+            self._send_loss()
+        if self.clip <= 0:
+            self._optimizer_step(params, followed)
+            return
+        partial = _sq_norm(counted)
+        if self.synchronous:
+            total = torch.tensor([partial], dtype=torch.float64)
+            dist.all_reduce(total, group=engine.grid.get_pipe_parallel_group())
+            self._scale_grads(counted, self._clip_coef(total.item()))
+            self._optimizer_step(params, followed)
+            return
+        self._pending = _PendingValidation(
+            snapshot_params=[p.detach().clone() for p in params],
+            snapshot_optimizer=copy.deepcopy(engine.optimizer.state_dict()),
+            reduced_grads=[None if p.grad is None else p.grad.detach().clone() for p in params],
+            partial_sq_norm=partial,
+        )
+        norm_msg = torch.tensor([partial], dtype=torch.float64)
+        for stage in range(self.stages):
+            if stage != self.stage:
+                self.channel.send((norm_msg,), (self.pipeline, stage), GRAD_NORM, 0, self.stage)
+        self._optimizer_step(params, followed)
+
+    def finish_iteration(self) -> None:
+        """Validate the optimistic step, share tied weights, advance the LR schedule."""
+        engine = self.engine
+        if self._pending is not None:
+            self._validate(self._pending)
+            self._pending = None
+        self._exchange_tied_weights()
+        if engine.lr_scheduler is not None:
+            engine.lr_scheduler.step()
+        engine.global_steps += 1
+        engine.global_samples += engine.train_batch_size()
+        self.channel.wait_sends()
+
+    def receive_loss(self) -> torch.Tensor:
+        loss = torch.zeros(2, dtype=torch.float32, device=self.engine.device)
+        self.channel.recv_into((loss,), (self.pipeline, self.stages - 1), LOSS)
+        return loss
+
+    def _validate(self, pending: _PendingValidation) -> None:
+        partials = {self.stage: pending.partial_sq_norm}
+        for stage in range(self.stages):
+            if stage != self.stage:
+                buf = torch.zeros(1, dtype=torch.float64)
+                self.channel.recv_into((buf,), (self.pipeline, stage), GRAD_NORM, 0, stage)
+                partials[stage] = buf.item()
+        coef = self._clip_coef(sum(partials[s] for s in range(self.stages)))
+        if coef >= 1.0:
+            return
+        engine = self.engine
+        params = [p for p in engine.module.parameters() if p.requires_grad]
+        followed = [t.param for t in self.tied if t.owner_stage != self.stage]
+        with torch.no_grad():
+            for p, saved, grad in zip(params, pending.snapshot_params, pending.reduced_grads, strict=True):
+                p.copy_(saved)
+                p.grad = None if grad is None else grad.mul_(coef)
+        engine.optimizer.load_state_dict(pending.snapshot_optimizer)
+        self._optimizer_step(params, followed)
+
+    def _clip_coef(self, total_sq_norm: float) -> float:
+        self.last_grad_norm = math.sqrt(total_sq_norm)
+        return self.clip / (self.last_grad_norm + CLIP_EPSILON)
+
+    @staticmethod
+    def _scale_grads(params, coef: float) -> None:
+        if coef < 1.0:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+
+    def _optimizer_step(self, params, followed) -> None:
+        for p in followed:
+            p.grad = None
+        self.engine.optimizer.step()
+        for p in params:
+            p.grad = None
+
+    def _exchange_tied_gradients(self) -> None:
+        for tied in self.tied:
+            if tied.owner_stage == self.stage:
+                for stage in tied.stages[1:]:
+                    incoming = torch.empty_like(tied.param)
+                    self.channel.recv_into((incoming,), (self.pipeline, stage), TIED_GRADIENT, 0, tied.index)
+                    if tied.param.grad is None:
+                        tied.param.grad = torch.zeros_like(tied.param)
+                    tied.param.grad.add_(incoming)
+            else:
+                grad = tied.param.grad if tied.param.grad is not None else torch.zeros_like(tied.param)
+                self.channel.send((grad,), (self.pipeline, tied.owner_stage), TIED_GRADIENT, 0, tied.index)
+
+    def _exchange_tied_weights(self) -> None:
+        for tied in self.tied:
+            if tied.owner_stage == self.stage:
+                for stage in tied.stages[1:]:
+                    self.channel.send((tied.param.detach(),), (self.pipeline, stage), TIED_WEIGHT, 0, tied.index)
+            else:
+                with torch.no_grad():
+                    self.channel.recv_into(
+                        (tied.param.data,), (self.pipeline, tied.owner_stage), TIED_WEIGHT, 0, tied.index
+                    )
+
+    def _send_loss(self) -> None:
+        losses = self.engine.aggregate_last_stage_loss()
+        for stage in range(self.stages - 1):
+            self.channel.send((losses,), (self.pipeline, stage), LOSS, 0, 0)
+
+
+def _sq_norm(params) -> float:
+    total = 0.0
+    for p in params:
+        if p.grad is not None:
+            total += float(p.grad.detach().double().pow(2).sum())
+    return total
