@@ -38,6 +38,8 @@ solver finds nothing better, the warm start's schedule is returned relabelled ``
 
 from __future__ import annotations
 
+import functools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -94,12 +96,18 @@ class MilpStats:
         }
 
 
+@functools.lru_cache(maxsize=1)
 def available_solver() -> str:
     """``HIGHS`` when python-mip can load it (the ``mip[highs]`` extra), else ``CBC``."""
+    log = logging.getLogger("mip")
+    level = log.level
+    log.setLevel(logging.CRITICAL)  # mip logs an error when the HiGHS library is missing
     try:
         mip.Model(solver_name=mip.HIGHS)
     except Exception:
         return mip.CBC
+    finally:
+        log.setLevel(level)
     return mip.HIGHS
 
 
