@@ -9,12 +9,17 @@ times on every worker with the priorities of a ZB-H1-like schedule:
    (``P - s`` in 1F1B) and fewer than ``memory_cap`` between F and W;
 3. then BackwardWeight, which therefore fills the bubbles.
 
-S of a stage starts when every W of that stage, on all its live workers, has ended (staggered),
-or when every W of every stage has ended (synchronous).
+A :class:`SchedulePolicy` varies these priorities (the heuristic planner tries several and keeps
+the best plan). S of a stage starts when every W of that stage, on all its live workers, has
+ended (staggered), or when every W of every stage has ended (synchronous).
+
+The scheduler is event driven: a worker decides what to run when it becomes free or when an
+input arrives, among the ops whose inputs have arrived by then, so a run costs O(ops log ops).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -40,6 +45,30 @@ class ScheduleOptions:
     """Each stage steps when its own W are done; if false, all stages step together."""
 
 
+@dataclass(frozen=True)
+class SchedulePolicy:
+    """Tie-breaking rules of the list scheduler. The default is the ZB-H1-like B > F > W."""
+
+    forward_first_stage0: bool = False
+    """At stage 0 a B feeds nothing but its own W, so prefer an allowed F over a B there."""
+    forward_first: bool = False
+    """Prefer an allowed F over a B on every stage."""
+    heavy_forward_first: bool = False
+    """Prefer an allowed F over a B on workers that run more than ``microbatches`` micro-batches:
+    their forwards start the long round trips that must be hidden behind their extra work."""
+    unblock_memory: bool = False
+    """When a ready F is held back only by the memory cap, run a ready W first to free a slot."""
+    own_first: bool = False
+    """Among ready forwards of the same index k, take the worker's own pipeline first."""
+    extra_warmup: int = 0
+    """Added to the 1F1B warm-up limit ``P - s`` (only when no explicit warmup_limit is given)."""
+    w_lookahead: bool = False
+    """Start a W only if no already-known F/B input arrives before the W would end."""
+    heavy_warmup: bool = False
+    """Workers that run more micro-batches than ``microbatches`` (re-routing survivors) may run
+    forwards up to the memory cap ahead of their backwards, to cover the longer busy period."""
+
+
 def identity_assignment(pipelines: int, stages: int, microbatches: int) -> dict[tuple[int, int, int], int]:
     return {(h, k, s): h for h in range(pipelines) for k in range(microbatches) for s in range(stages)}
 
@@ -58,130 +87,198 @@ def list_schedule(
     memory_cap: int,
     options: ScheduleOptions = ScheduleOptions(),
     warmup_limit: Callable[[Worker], int] | None = None,
+    policy: SchedulePolicy = SchedulePolicy(),
 ) -> dict[Worker, list[Op]]:
     """Return every live worker's ordered, timed ops. Raises ValueError if the assignment
     leaves some op unschedulable (for example a memory cap below 1)."""
     if memory_cap < 1:
         raise ValueError(f"memory_cap={memory_cap}: a worker must be able to hold at least 1 micro-batch")
-    limit = warmup_limit or one_f_one_b_limit(stages)
-    state = _SchedulerState(pipelines, stages, microbatches, assignment, costs, memory_cap, options, limit)
+    if costs.stages != stages:
+        raise ValueError(f"cost model has {costs.stages} stages, the topology has {stages}")
+    if warmup_limit is None:
+        base = one_f_one_b_limit(stages)
+        limit = lambda w: base(w) + policy.extra_warmup
+    else:
+        limit = warmup_limit
+    state = _SchedulerState(pipelines, stages, microbatches, assignment, costs, memory_cap, options, limit, policy)
     return state.run()
 
 
 class _SchedulerState:
-    def __init__(self, pipelines, stages, microbatches, assignment, costs, memory_cap, options, limit):
+    def __init__(self, pipelines, stages, microbatches, assignment, costs, memory_cap, options, limit, policy):
         self.P = stages
         self.costs = costs
         self.memory_cap = memory_cap
         self.options = options
+        self.policy = policy
         self.assignment = assignment
-        self.workers: list[Worker] = sorted({(p, s) for (_h, _k, s), p in assignment.items()})
-        self.limit = {w: max(1, limit(w)) for w in self.workers}
-        self.mbs_of: dict[Worker, list[tuple[int, int]]] = {w: [] for w in self.workers}
-        for (h, k, s), p in sorted(assignment.items(), key=lambda item: (item[0][1], item[0][0])):
-            self.mbs_of[(p, s)].append((h, k))
         expected = pipelines * microbatches * stages
         if len(assignment) != expected:
             raise ValueError(f"assignment covers {len(assignment)} of {expected} (home, mb, stage) triples")
-        self.end: dict[tuple[str, int, int, int], float] = {}
-        self.ops: dict[Worker, list[Op]] = {w: [] for w in self.workers}
-        self.free_at = {w: 0.0 for w in self.workers}
-        self.pending_f = {w: list(self.mbs_of[w]) for w in self.workers}
-        self.awaiting_b: dict[Worker, list[tuple[int, int]]] = {w: [] for w in self.workers}
-        self.awaiting_w: dict[Worker, list[tuple[int, int]]] = {w: [] for w in self.workers}
-        self.count = {w: {FORWARD: 0, BACKWARD_INPUT: 0, BACKWARD_WEIGHT: 0} for w in self.workers}
+        self.workers: list[Worker] = sorted({(p, s) for (_h, _k, s), p in assignment.items()})
+        self.index = {w: i for i, w in enumerate(self.workers)}
+        n = len(self.workers)
+        self.stage_of = [w[1] for w in self.workers]
+        self.dur = {kind: [costs.duration(kind, w[1]) for w in self.workers] for kind in (FORWARD, BACKWARD_INPUT)}
+        self.dur[BACKWARD_WEIGHT] = [costs.duration(BACKWARD_WEIGHT, w[1]) for w in self.workers]
+        # the runner (worker index) of every (h, k, s)
+        self.runner: dict[tuple[int, int, int], int] = {
+            (h, k, s): self.index[(p, s)] for (h, k, s), p in assignment.items()
+        }
+        # forward order key per (h, k, s): by index k, then home (optionally own pipeline first)
+        self.f_key: dict[tuple[int, int, int], tuple] = {}
+        for (h, k, s), p in assignment.items():
+            self.f_key[(h, k, s)] = (k, 0 if (policy.own_first and h == p) else 1, h)
+        self.n_mbs = [0] * n
+        for key in assignment:
+            self.n_mbs[self.runner[key]] += 1
+        self.limit = [max(1, limit(w)) for w in self.workers]
+        self.heavy = [count > microbatches for count in self.n_mbs]
+        if policy.heavy_warmup:
+            for wi, count in enumerate(self.n_mbs):
+                if count > microbatches:
+                    self.limit[wi] = max(self.limit[wi], memory_cap)
+        self.ops: list[list[Op]] = [[] for _ in range(n)]
+        self.free_at = [0.0] * n
+        self.counts = [[0, 0, 0] for _ in range(n)]  # F, B, W placed
+        # per worker: pending arrivals (time, seq, kind, h, k) and ready heaps per kind
+        self.arrivals: list[list] = [[] for _ in range(n)]
+        self.ready_f: list[list] = [[] for _ in range(n)]
+        self.ready_b: list[list] = [[] for _ in range(n)]
+        self.ready_w: list[list] = [[] for _ in range(n)]
+        self.f_seq: dict[tuple[int, int, int], int] = {}  # order in which F ran on its worker
+        self.f_end: dict[tuple[int, int, int], float] = {}
+        self.events: list = []
+        self.seq = 0
+
+    # -- event plumbing -------------------------------------------------------------------
+    def _arrive(self, wi: int, time: float, kind: str, h: int, k: int) -> None:
+        self.seq += 1
+        heapq.heappush(self.arrivals[wi], (time, self.seq, kind, h, k))
+        heapq.heappush(self.events, (time, self.seq, wi))
+
+    def _wake(self, wi: int, time: float) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (time, self.seq, wi))
 
     def run(self) -> dict[Worker, list[Op]]:
-        total = sum(len(v) for v in self.mbs_of.values()) * 3
+        for (h, k, s), wi in self.runner.items():
+            if s == 0:
+                heapq.heappush(self.ready_f[wi], (self.f_key[(h, k, s)], h, k))
+        for wi in range(len(self.workers)):
+            self._wake(wi, 0.0)
+        total = 3 * sum(self.n_mbs)
         scheduled = 0
-        while scheduled < total:
-            choice = None
-            for w in self.workers:
-                candidate = self._next_op(w)
-                if candidate is not None and (choice is None or candidate[0] < choice[0]):
-                    choice = (candidate[0], w, candidate[1], candidate[2], candidate[3])
-            if choice is None:
-                raise ValueError("list scheduler: no op can start (cyclic dependencies or memory cap too small)")
-            start, w, kind, h, k = choice
-            scheduled += self._place(w, kind, h, k, start)
-            if kind == BACKWARD_INPUT and not self.options.decoupled:
-                scheduled += self._place(w, BACKWARD_WEIGHT, h, k, self.free_at[w])
+        events = self.events
+        while events:
+            t, _, wi = heapq.heappop(events)
+            if self.free_at[wi] > t:
+                continue
+            # several events of one worker at the same time: decide once
+            scheduled += self._decide(wi, t)
+        if scheduled != total:
+            raise ValueError(
+                f"list scheduler: only {scheduled} of {total} ops could be placed "
+                "(cyclic dependencies or memory cap too small)"
+            )
         self._place_steps()
-        return self.ops
+        return {w: self.ops[i] for i, w in enumerate(self.workers)}
 
-    def _runner(self, h: int, k: int, s: int) -> Worker:
-        return (self.assignment[(h, k, s)], s)
-
-    def _arrival(self, kind: str, h: int, k: int, s: int, consumer: Worker) -> float | None:
-        """When the output of op ``kind`` of (h, k, s) is usable on ``consumer``; None if not yet scheduled."""
-        if kind == BACKWARD_INPUT and not self.options.decoupled:
-            kind = BACKWARD_WEIGHT  # a fused backward sends its input grads only when it is done
-        end = self.end.get((kind, h, k, s))
-        if end is None:
-            return None
-        return end + (self.costs.comm if self._runner(h, k, s) != consumer else 0.0)
-
-    def _ready(self, w: Worker, kind: str, h: int, k: int) -> float | None:
-        s = w[1]
-        if kind == FORWARD:
-            return 0.0 if s == 0 else self._arrival(FORWARD, h, k, s - 1, w)
-        if kind == BACKWARD_INPUT:
-            own_f = self.end.get((FORWARD, h, k, s))
-            if own_f is None:
-                return None
-            if s == self.P - 1:
-                return own_f
-            upstream = self._arrival(BACKWARD_INPUT, h, k, s + 1, w)
-            return None if upstream is None else max(own_f, upstream)
-        return self.end.get((BACKWARD_INPUT, h, k, s))
-
-    def _next_op(self, w: Worker):
-        """(start, kind, h, k) of the op the worker runs next, by priority, or None."""
-        now = self.free_at[w]
-        counts = self.count[w]
-        f_allowed = (
-            counts[FORWARD] - counts[BACKWARD_INPUT] < self.limit[w]
-            and counts[FORWARD] - counts[BACKWARD_WEIGHT] < self.memory_cap
-        )
-        queues = [(BACKWARD_INPUT, self.awaiting_b[w])]
-        if f_allowed:
-            queues.append((FORWARD, self.pending_f[w]))
-        if self.options.decoupled:
-            queues.append((BACKWARD_WEIGHT, self.awaiting_w[w]))
-        earliest = None
-        for kind, queue in queues:
-            for h, k in queue:
-                ready = self._ready(w, kind, h, k)
-                if ready is None:
-                    continue
-                if ready <= now:
-                    return (now, kind, h, k)
-                if earliest is None or ready < earliest[0]:
-                    earliest = (ready, kind, h, k)
-        return earliest
-
-    def _place(self, w: Worker, kind: str, h: int, k: int, start: float) -> int:
-        duration = self.costs.duration(kind, w[1])
-        op = Op(kind, h, k, w[1], start, start + duration)
-        self.ops[w].append(op)
-        self.end[(kind, h, k, w[1])] = op.end
-        self.free_at[w] = op.end
-        self.count[w][kind] += 1
-        if kind == FORWARD:
-            self.pending_f[w].remove((h, k))
-            self.awaiting_b[w].append((h, k))
-        elif kind == BACKWARD_INPUT:
-            self.awaiting_b[w].remove((h, k))
-            self.awaiting_w[w].append((h, k))
+    def _decide(self, wi: int, t: float) -> int:
+        arrivals = self.arrivals[wi]
+        s = self.stage_of[wi]
+        while arrivals and arrivals[0][0] <= t:
+            _, _, kind, h, k = heapq.heappop(arrivals)
+            if kind == FORWARD:
+                heapq.heappush(self.ready_f[wi], (self.f_key[(h, k, s)], h, k))
+            elif kind == BACKWARD_INPUT:
+                heapq.heappush(self.ready_b[wi], (self.f_seq[(h, k, s)], h, k))
+            else:
+                heapq.heappush(self.ready_w[wi], (self.seq, h, k))
+        nf, nb, nw = self.counts[wi]
+        ready_f, ready_b, ready_w = self.ready_f[wi], self.ready_b[wi], self.ready_w[wi]
+        policy = self.policy
+        decoupled = self.options.decoupled
+        f_warm = nf - nb < self.limit[wi]
+        f_mem = nf - nw < self.memory_cap
+        f_ok = bool(ready_f) and f_warm and f_mem
+        choice = None
+        if decoupled and ready_w and policy.unblock_memory and ready_f and f_warm and not f_mem:
+            choice = BACKWARD_WEIGHT
+        elif f_ok and (
+            policy.forward_first
+            or (policy.forward_first_stage0 and s == 0)
+            or (policy.heavy_forward_first and self.heavy[wi])
+        ):
+            choice = FORWARD
+        elif ready_b:
+            choice = BACKWARD_INPUT
+        elif f_ok:
+            choice = FORWARD
+        elif decoupled and ready_w:
+            choice = BACKWARD_WEIGHT
+            if policy.w_lookahead and arrivals:
+                end = t + self.dur[BACKWARD_WEIGHT][wi]
+                for time, _, kind, _h, _k in arrivals:
+                    if time < end and (kind == BACKWARD_INPUT or (kind == FORWARD and f_warm and f_mem)):
+                        return 0  # wait for it; its arrival event wakes us
+        if choice is None:
+            return 0
+        if choice == FORWARD:
+            _, h, k = heapq.heappop(ready_f)
+        elif choice == BACKWARD_INPUT:
+            _, h, k = heapq.heappop(ready_b)
         else:
-            self.awaiting_w[w].remove((h, k))
+            _, h, k = heapq.heappop(ready_w)
+        placed = self._place(wi, choice, h, k, t)
+        if choice == BACKWARD_INPUT and not decoupled:
+            placed += self._place(wi, BACKWARD_WEIGHT, h, k, self.free_at[wi])
+        return placed
+
+    def _place(self, wi: int, kind: str, h: int, k: int, start: float) -> int:
+        s = self.stage_of[wi]
+        end = start + self.dur[kind][wi]
+        self.ops[wi].append(Op(kind, h, k, s, start, end))
+        self.free_at[wi] = end
+        counts = self.counts[wi]
+        comm = self.costs.comm
+        last = self.P - 1
+        if kind == FORWARD:
+            counts[0] += 1
+            key = (h, k, s)
+            self.f_seq[key] = counts[0]
+            self.f_end[key] = end
+            if s < last:
+                self._arrive(self.runner[(h, k, s + 1)], end + comm, FORWARD, h, k)
+            else:
+                self._arrive(wi, end, BACKWARD_INPUT, h, k)
+        elif kind == BACKWARD_INPUT:
+            counts[1] += 1
+            if self.options.decoupled:
+                self._arrive(wi, end, BACKWARD_WEIGHT, h, k)
+            else:
+                self._send_grad(h, k, s, end + self.dur[BACKWARD_WEIGHT][wi])
+        else:
+            counts[2] += 1
+        if kind == BACKWARD_INPUT and self.options.decoupled:
+            self._send_grad(h, k, s, end)
+        self._wake(wi, end)
         return 1
 
+    def _send_grad(self, h: int, k: int, s: int, end: float) -> None:
+        """The input grad of (h, k, s) is sent to the runner of (h, k, s - 1)."""
+        if s == 0:
+            return
+        key = (h, k, s - 1)
+        prev = self.runner[key]
+        # F(h, k, s - 1) has ended: F(h, k, s) needed its output
+        self._arrive(prev, max(end + self.costs.comm, self.f_end[key]), BACKWARD_INPUT, h, k)
+
     def _place_steps(self) -> None:
-        last_w = {}
-        for p, s in self.workers:
-            last_w[s] = max(last_w.get(s, 0.0), self.free_at[(p, s)])
+        last_w: dict[int, float] = {}
+        for wi, s in enumerate(self.stage_of):
+            last_w[s] = max(last_w.get(s, 0.0), self.free_at[wi])
         everything_done = max(last_w.values(), default=0.0)
-        for w in self.workers:
-            start = last_w[w[1]] if self.options.staggered else everything_done
-            self.ops[w].append(Op(STEP, -1, -1, w[1], start, start + self.costs.step))
+        for wi, s in enumerate(self.stage_of):
+            start = last_w[s] if self.options.staggered else everything_done
+            self.ops[wi].append(Op(STEP, -1, -1, s, start, start + self.costs.step))

@@ -1,0 +1,205 @@
+"""The plan cache: an in-memory dict in front of an optional on-disk JSON directory.
+
+Entries are keyed by topology (D, P, m), cost model, memory cap, schedule options, solver and the
+canonical failure set (:func:`normalize.canonical`), so relabelled failure sets share one entry.
+The stored plan is the one for the canonical labels; a lookup maps it back to the caller's labels.
+On disk every entry is one JSON file ``<sha1 of key>.json`` holding ``{"key": ..., "plan": ...}``,
+so concurrent writers never corrupt each other's entries. Returned plans are shared with the
+cache: treat them as read-only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
+from pathlib import Path
+
+from ds_recycle.planner.heuristic import plan_heuristic
+from ds_recycle.planner.list_scheduler import ScheduleOptions
+from ds_recycle.planner.lower_bound import check_survivors
+from ds_recycle.planner.normalize import canonical, invert, relabel
+from ds_recycle.planner.plan import CostModel, Plan, Worker
+
+Planner = Callable[..., Plan]
+"""``planner(D, P, m, failed, costs=..., memory_cap=..., options=...) -> Plan``."""
+
+
+class PlanCache:
+    def __init__(self, path: str | Path | None = None, planner: Planner = plan_heuristic, solver: str = "heuristic"):
+        self.path = Path(path) if path is not None else None
+        if self.path is not None:
+            self.path.mkdir(parents=True, exist_ok=True)
+        self.planner = planner
+        self.solver = solver
+        self.memory: dict[str, Plan] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def key(
+        self,
+        pipelines: int,
+        stages: int,
+        microbatches: int,
+        failed: Iterable[Worker],
+        costs: CostModel | None = None,
+        memory_cap: int | None = None,
+        options: ScheduleOptions = ScheduleOptions(),
+    ) -> tuple[str, list[int]]:
+        """The cache key of a request and the permutation to its canonical labels."""
+        costs = costs or CostModel.uniform(stages)
+        cap = stages if memory_cap is None else memory_cap
+        canon, permutation = canonical(pipelines, stages, failed)
+        key = json.dumps(
+            {
+                "topology": [pipelines, stages, microbatches],
+                "costs": costs.to_dict(),
+                "memory_cap": cap,
+                "failed": [list(w) for w in canon],
+                "decoupled": options.decoupled,
+                "staggered": options.staggered,
+                "solver": self.solver,
+            },
+            sort_keys=True,
+        )
+        return key, permutation
+
+    def get(
+        self,
+        pipelines: int,
+        stages: int,
+        microbatches: int,
+        failed: Iterable[Worker] = (),
+        costs: CostModel | None = None,
+        memory_cap: int | None = None,
+        options: ScheduleOptions = ScheduleOptions(),
+    ) -> Plan | None:
+        failed = tuple(sorted({(int(p), int(s)) for p, s in failed}))
+        key, permutation = self.key(pipelines, stages, microbatches, failed, costs, memory_cap, options)
+        plan = self.memory.get(key)
+        if plan is None and self.path is not None:
+            plan = self._load(key)
+            if plan is not None:
+                self.memory[key] = plan
+        if plan is None:
+            return None
+        self.hits += 1
+        return _to_labels(plan, permutation, failed)
+
+    def get_or_plan(
+        self,
+        pipelines: int,
+        stages: int,
+        microbatches: int,
+        failed: Iterable[Worker] = (),
+        costs: CostModel | None = None,
+        memory_cap: int | None = None,
+        options: ScheduleOptions = ScheduleOptions(),
+    ) -> Plan:
+        """The cached plan for this request, planning (and storing) it on a miss."""
+        failed = tuple(sorted({(int(p), int(s)) for p, s in failed}))
+        plan = self.get(pipelines, stages, microbatches, failed, costs, memory_cap, options)
+        if plan is not None:
+            return plan
+        self.misses += 1
+        check_survivors(pipelines, stages, failed)
+        key, permutation = self.key(pipelines, stages, microbatches, failed, costs, memory_cap, options)
+        canon = json.loads(key)["failed"]
+        plan = self.planner(
+            pipelines,
+            stages,
+            microbatches,
+            [tuple(w) for w in canon],
+            costs=costs,
+            memory_cap=memory_cap,
+            options=options,
+        )
+        self.memory[key] = plan
+        if self.path is not None:
+            self._store(key, plan)
+        return _to_labels(plan, permutation, failed)
+
+    def precompute(
+        self,
+        pipelines: int,
+        stages: int,
+        microbatches: int,
+        max_failures: int,
+        costs: CostModel | None = None,
+        memory_cap: int | None = None,
+        options: ScheduleOptions = ScheduleOptions(),
+    ) -> int:
+        """Plan every canonical failure set with 0..max_failures failed workers that leaves every
+        stage a survivor. Returns how many failure sets it covered."""
+        count = 0
+        for failed in canonical_failure_sets(pipelines, stages, max_failures):
+            self.get_or_plan(pipelines, stages, microbatches, failed, costs, memory_cap, options)
+            count += 1
+        return count
+
+    def __len__(self) -> int:
+        return len(self.memory)
+
+    def _file(self, key: str) -> Path:
+        assert self.path is not None
+        return self.path / (hashlib.sha1(key.encode()).hexdigest() + ".json")
+
+    def _load(self, key: str) -> Plan | None:
+        file = self._file(key)
+        if not file.exists():
+            return None
+        data = json.loads(file.read_text())
+        if data.get("key") != key:
+            return None  # a hash collision: plan it again
+        return Plan.from_dict(data["plan"])
+
+    def _store(self, key: str, plan: Plan) -> None:
+        file = self._file(key)
+        fd, tmp = tempfile.mkstemp(dir=file.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as out:
+            json.dump({"key": key, "plan": plan.to_dict()}, out)
+        os.replace(tmp, file)
+
+
+def canonical_failure_sets(pipelines: int, stages: int, max_failures: int) -> Iterator[tuple[Worker, ...]]:
+    """Every canonical failure set of size 0..max_failures that leaves each stage a survivor,
+    each exactly once. A canonical set is a multiset of per-pipeline sets of failed stages."""
+    subsets = [
+        combo
+        for size in range(1, min(max_failures, stages) + 1)
+        for combo in itertools.combinations(range(stages), size)
+    ]
+    subsets.sort()
+    seen = set()
+
+    def extend(start: int, chosen: list[tuple[int, ...]], budget: int) -> Iterator[list[tuple[int, ...]]]:
+        yield chosen
+        if len(chosen) == pipelines:
+            return
+        for i in range(start, len(subsets)):
+            if len(subsets[i]) <= budget:
+                yield from extend(i, chosen + [subsets[i]], budget - len(subsets[i]))
+
+    for chosen in extend(0, [], max_failures):
+        failed = [(p, s) for p, stages_ in enumerate(chosen) for s in stages_]
+        per_stage = [0] * stages
+        for _p, s in failed:
+            per_stage[s] += 1
+        if any(f >= pipelines for f in per_stage):
+            continue
+        key, _ = canonical(pipelines, stages, failed)
+        if key not in seen:
+            seen.add(key)
+            yield key
+
+
+def _to_labels(plan: Plan, permutation: list[int], failed: tuple[Worker, ...]) -> Plan:
+    if permutation == sorted(permutation):  # identity: share the cached op lists
+        return replace(plan, failed=failed, extra=dict(plan.extra))
+    out = relabel(plan, invert(permutation))
+    out.failed = failed
+    return out

@@ -1,0 +1,167 @@
+"""The heuristic planner: re-route a failed worker's micro-batches, then list-schedule.
+
+1. Normalize the failure set (:mod:`normalize`), so that relabelled failure sets get the same plan
+   up to the relabelling.
+2. Assignment: at a stage with failures, the micro-batches of the failed pipelines are dealt
+   round-robin, in order of their index k, over the stage's survivors, so every survivor gets
+   ``floor`` or ``ceil`` of ``f_s m / (D - f_s)`` extra micro-batches, spread evenly in time.
+   A re-routed micro-batch goes back to its home pipeline at the next stage. Survivors keep
+   their own micro-batches in 1F1B order; a foreign one slots in next to the own one of the same k.
+3. Several candidate (assignment, :class:`SchedulePolicy`) pairs are list-scheduled; B is
+   critical and goes first, F follows a 1F1B warm-up limit and the memory cap, and W fills the
+   bubbles. The best by iteration time wins (ties: first candidate). A candidate that reaches
+   the lower bound stops the search. The number of candidates shrinks with the problem size so
+   that the planner stays fast (``budget_ops``).
+4. The winner is re-timed as soon as possible in its order (:func:`retime`) and its steady-state
+   period is measured by the simulator.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from ds_recycle.planner.list_scheduler import (
+    Assignment,
+    ScheduleOptions,
+    SchedulePolicy,
+    list_schedule,
+)
+from ds_recycle.planner.lower_bound import check_survivors, lower_bound
+from ds_recycle.planner.normalize import canonical, invert, relabel
+from ds_recycle.planner.plan import CostModel, Op, Plan, Worker
+from ds_recycle.sim.simulator import retime, simulate
+
+POLICIES: tuple[SchedulePolicy, ...] = (
+    SchedulePolicy(),
+    SchedulePolicy(heavy_warmup=True),
+    SchedulePolicy(heavy_warmup=True, forward_first_stage0=True, unblock_memory=True),
+    SchedulePolicy(heavy_warmup=True, extra_warmup=1),
+    SchedulePolicy(heavy_warmup=True, forward_first=True),
+    SchedulePolicy(forward_first_stage0=True, unblock_memory=True),
+    SchedulePolicy(unblock_memory=True),
+    SchedulePolicy(forward_first_stage0=True),
+    SchedulePolicy(own_first=True),
+    SchedulePolicy(extra_warmup=1),
+    SchedulePolicy(w_lookahead=True),
+    SchedulePolicy(forward_first=True),
+    SchedulePolicy(forward_first_stage0=True, unblock_memory=True, own_first=True),
+    SchedulePolicy(forward_first_stage0=True, unblock_memory=True, extra_warmup=1),
+    SchedulePolicy(heavy_warmup=True, heavy_forward_first=True),
+    SchedulePolicy(heavy_warmup=True, heavy_forward_first=True, forward_first_stage0=True, unblock_memory=True),
+    SchedulePolicy(heavy_warmup=True, heavy_forward_first=True, unblock_memory=True),
+)
+"""Candidate scheduling policies, most useful first."""
+
+DEFAULT_BUDGET_OPS = 60_000
+"""About how many ops the candidates may list-schedule together (at least 2 candidates run)."""
+
+
+def plan_heuristic(
+    pipelines: int,
+    stages: int,
+    microbatches: int,
+    failed: Iterable[Worker] = (),
+    costs: CostModel | None = None,
+    memory_cap: int | None = None,
+    options: ScheduleOptions = ScheduleOptions(),
+    budget_ops: int = DEFAULT_BUDGET_OPS,
+    iterations: int = 4,
+) -> Plan:
+    """Plan one iteration for the failure set ``failed`` (``(pipeline, stage)`` pairs).
+
+    ``memory_cap`` (micro-batches a worker holds between F and W) defaults to ``stages``, the
+    peak of stock 1F1B. Raises NoSurvivorError if a stage has no live worker ("needs checkpoint
+    fallback") and ValueError for a bad topology, failure or memory cap.
+    """
+    began = time.perf_counter()
+    D, P, m = pipelines, stages, microbatches
+    if D < 1 or P < 1 or m < 1:
+        raise ValueError(f"pipelines={D}, stages={P}, microbatches={m} must all be >= 1")
+    costs = costs or CostModel.uniform(P)
+    if costs.stages != P:
+        raise ValueError(f"cost model has {costs.stages} stages, the topology has {P}")
+    cap = P if memory_cap is None else memory_cap
+    if cap < 1:
+        raise ValueError(f"memory_cap={cap}: a worker must be able to hold at least 1 micro-batch")
+    failed = tuple(sorted({(int(p), int(s)) for p, s in failed}))
+    check_survivors(D, P, failed)
+    bound = lower_bound(D, P, m, failed, costs, cap)
+
+    key, permutation = canonical(D, P, failed)
+    workers, chosen = _best_schedule(D, P, m, key, costs, cap, options, bound, budget_ops)
+    plan = Plan(D, P, m, key, costs, cap, workers, solver="heuristic")
+    plan.extra.update({"decoupled": options.decoupled, "staggered": options.staggered, "candidate": chosen["name"]})
+    plan = retime(plan)
+    plan = relabel(plan, invert(permutation))
+    plan.failed = failed
+    plan.lower_bound = bound
+    plan.steady_state_period = simulate(plan, iterations=iterations).steady_state_period
+    plan.solve_seconds = time.perf_counter() - began
+    return plan
+
+
+def reroute_assignment(
+    pipelines: int, stages: int, microbatches: int, failed: Iterable[Worker], offset: int = 0
+) -> dict[tuple[int, int, int], int]:
+    """``(home, mb, stage) -> pipeline``: home when alive, else dealt round-robin (starting at
+    survivor ``offset``) over the stage's survivors in order of (k, home)."""
+    dead: dict[int, set[int]] = {s: set() for s in range(stages)}
+    for p, s in failed:
+        dead[s].add(p)
+    assignment: dict[tuple[int, int, int], int] = {}
+    for s in range(stages):
+        survivors = [p for p in range(pipelines) if p not in dead[s]]
+        if not survivors:
+            raise ValueError(f"stage {s} has no survivor")
+        turn = offset
+        for k in range(microbatches):
+            for h in range(pipelines):
+                if h in dead[s]:
+                    assignment[(h, k, s)] = survivors[turn % len(survivors)]
+                    turn += 1
+                else:
+                    assignment[(h, k, s)] = h
+    return assignment
+
+
+def candidates(
+    pipelines: int, stages: int, microbatches: int, failed: Iterable[Worker]
+) -> list[tuple[str, Assignment, SchedulePolicy]]:
+    """Every (name, assignment, policy) the heuristic may try, most promising first."""
+    failed = tuple(failed)
+    assignments: list[tuple[str, Assignment]] = [("rr0", reroute_assignment(pipelines, stages, microbatches, failed))]
+    max_survivors = min(pipelines - sum(1 for p, q in failed if q == s) for s in range(stages))
+    if failed and max_survivors > 1:
+        assignments.append(("rr1", reroute_assignment(pipelines, stages, microbatches, failed, offset=1)))
+    out = []
+    for i, policy in enumerate(POLICIES):
+        for name, assignment in assignments:
+            out.append((f"{name}/p{i}", assignment, policy))
+    # interleave: all policies on the first assignment first, then the second assignment
+    return sorted(out, key=lambda c: (c[0].split("/")[0] != "rr0", int(c[0].split("/p")[1])))
+
+
+def _best_schedule(D, P, m, failed, costs, cap, options, bound, budget_ops):
+    ops_per_run = 3 * D * P * m
+    limit = max(2, budget_ops // max(1, ops_per_run))
+    best = None
+    for tried, (name, assignment, policy) in enumerate(candidates(D, P, m, failed)):
+        if tried >= limit:
+            break
+        try:
+            workers = list_schedule(D, P, m, assignment, costs, cap, options, policy=policy)
+        except ValueError:
+            continue  # this policy got stuck; others may not
+        makespan = _makespan(workers)
+        if best is None or makespan < best[0] - 1e-9:
+            best = (makespan, workers, {"name": name})
+        if makespan <= bound + 1e-9:
+            break
+    if best is None:
+        raise ValueError(f"heuristic: no candidate schedule found (memory_cap={cap} may be too small)")
+    return best[1], best[2]
+
+
+def _makespan(workers: dict[Worker, list[Op]]) -> float:
+    return max((ops[-1].end for ops in workers.values() if ops), default=0.0)

@@ -1,0 +1,106 @@
+"""The physical lower bound a plan's iteration time is judged against.
+
+Notation: stage ``s`` has ``n_s = D - f_s`` live workers and, with the usual unit of work being one
+micro-batch's F+B+W on one worker, the D*m micro-batches of stage s must be split among them, so
+its busiest worker runs at least ``k_s = ceil(D*m / n_s)`` micro-batches (F, B and W of a
+micro-batch share a worker). Let ``F_s, B_s, W_s`` be the durations, ``c`` the p2p latency,
+``S`` the step, and ``C`` the memory cap. Consecutive stages are always on different workers, so
+every stage boundary costs ``c``.
+
+Fill. No op of stage s can start before its first forward input has crossed stages 0..s-1::
+
+    fill_s = sum_{j<s} (F_j + c)
+
+Round trip. A B of stage s needs its own F to have gone down and its gradient to come back::
+
+    R_s = F_s + sum_{j>s} (F_j + B_j) + 2 (P-1-s) c
+
+Bound 1 (work and the warm-up bubble). Let t0 >= fill_s be the first op of the busiest worker
+(an F). Every B starts at least R_s after its own F, so none before t0 + R_s, and no W either;
+in [t0, t0 + R_s) the worker can only run forwards, and at most min(C, k_s) of them since no W
+can free memory before then. Its k_s(F_s+B_s+W_s) of work therefore ends no earlier than
+t0 + max(0, R_s - min(C, k_s) F_s) + k_s (F_s+B_s+W_s), and its S follows::
+
+    LB1_s = fill_s + max(0, R_s - min(C, k_s) F_s) + k_s (F_s + B_s + W_s) + S
+
+Bound 2 (the backward drain). When the busiest worker starts its last F it holds at most C
+micro-batches, so at least k_s - C of its W have ended; all its F and B end by its last B,
+which therefore ends no earlier than fill_s + (idle as above) + k_s (F_s+B_s) + max(0, k_s-C) W_s.
+After that last B come its own W and, for s > 0, the gradient's way down to stage 0 and the W
+there, then a step::
+
+    tail_s = max(W_s, sum_{j<s} (c + B_j) + W_0)      (W_s alone when s = 0)
+    LB2_s = fill_s + max(0, R_s - min(C, k_s) F_s) + k_s (F_s + B_s) + max(0, k_s - C) W_s + tail_s + S
+
+The lower bound is the maximum over stages and both bounds; since a stage with no failure has
+k_s = m, it is never below the fault-free bound (the same formula with no failures), which is
+also taken explicitly. A plan that is not decoupled or not staggered is still a plan, so the bound
+holds for every ScheduleOptions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from ds_recycle.planner.plan import CostModel, Worker
+
+
+class NoSurvivorError(ValueError):
+    """Every worker of some stage has failed: ReCycle cannot re-route, the job needs a checkpoint."""
+
+
+def check_survivors(pipelines: int, stages: int, failed: Iterable[Worker]) -> dict[int, int]:
+    """Validate a failure set and return the number of failed workers per stage."""
+    per_stage: dict[int, int] = {s: 0 for s in range(stages)}
+    seen = set()
+    for worker in failed:
+        p, s = worker
+        if not (0 <= p < pipelines and 0 <= s < stages):
+            raise ValueError(f"failed worker ({p}, {s}) is outside the grid of {pipelines} pipelines x {stages} stages")
+        if (p, s) in seen:
+            continue
+        seen.add((p, s))
+        per_stage[s] += 1
+    for s, f in per_stage.items():
+        if f >= pipelines:
+            raise NoSurvivorError(
+                f"stage {s} has no live worker left (all {pipelines} failed): no functional redundancy, "
+                "needs checkpoint fallback"
+            )
+    return per_stage
+
+
+def lower_bound(
+    pipelines: int,
+    stages: int,
+    microbatches: int,
+    failed: Iterable[Worker],
+    costs: CostModel | None = None,
+    memory_cap: int | None = None,
+) -> float:
+    """A lower bound on the iteration time of any valid plan (see the module docstring).
+    ``memory_cap`` defaults to ``stages``, the planner's default cap."""
+    costs = costs or CostModel.uniform(stages)
+    cap = stages if memory_cap is None else memory_cap
+    if cap < 1:
+        raise ValueError(f"memory_cap={cap}: a worker must be able to hold at least 1 micro-batch")
+    f_per_stage = check_survivors(pipelines, stages, failed)
+    bound = _bound(pipelines, stages, microbatches, f_per_stage, costs, cap)
+    fault_free = _bound(pipelines, stages, microbatches, dict.fromkeys(range(stages), 0), costs, cap)
+    return max(bound, fault_free)
+
+
+def _bound(D: int, P: int, m: int, f_per_stage: dict[int, int], costs: CostModel, cap: int) -> float:
+    F, B, W, c = costs.F, costs.B, costs.W, costs.comm
+    best = 0.0
+    for s in range(P):
+        k = math.ceil(D * m / (D - f_per_stage[s]))
+        fill = sum(F[j] + c for j in range(s))
+        round_trip = F[s] + sum(F[j] + B[j] for j in range(s + 1, P)) + 2 * (P - 1 - s) * c
+        warmup_idle = max(0.0, round_trip - min(cap, k) * F[s])
+        lb1 = fill + warmup_idle + k * (F[s] + B[s] + W[s]) + costs.step
+        tail = W[s] if s == 0 else max(W[s], sum(c + B[j] for j in range(s)) + W[0])
+        lb2 = fill + warmup_idle + k * (F[s] + B[s]) + max(0, k - cap) * W[s] + tail + costs.step
+        best = max(best, lb1, lb2)
+    return best
