@@ -34,7 +34,7 @@ def failure_cases(draw):
     workers = [(p, s) for p in range(D) for s in range(P)]
     failed = draw(st.lists(st.sampled_from(workers), max_size=D, unique=True))
     per_stage = {}
-    for p, s in failed:
+    for _p, s in failed:
         per_stage[s] = per_stage.get(s, 0) + 1
     failed = [w for w in failed if per_stage[w[1]] < D]
     return D, P, m, failed
@@ -68,7 +68,7 @@ def test_missing_receive_is_caught():
 
 def test_receive_from_wrong_peer_is_caught():
     streams = lower(plan_heuristic(2, 2, 2, [(0, 1)]))
-    for worker, stream in streams.items():
+    for _worker, stream in streams.items():
         for i, ins in enumerate(stream.instructions):
             if isinstance(ins, RecvGrad):
                 stream.instructions[i] = RecvGrad(ins.buffer_id, ins.home, ins.mb, (1 - ins.peer[0], ins.peer[1]))

@@ -154,7 +154,7 @@ def test_last_stage_backward_follows_own_forward(plan):
 
 
 def test_weight_follows_backward(plan):
-    for worker, ops in plan.workers.items():
+    for _worker, ops in plan.workers.items():
         for i in range(len(ops) - 1):
             b, w = ops[i], ops[i + 1]
             if b.kind == "B" and w.kind == "W" and (b.home, b.mb) == (w.home, w.mb):
