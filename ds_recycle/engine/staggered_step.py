@@ -181,7 +181,8 @@ class StageStepper:
                         tied.param.grad = torch.zeros_like(tied.param)
                     tied.param.grad.add_(incoming)
             else:
-                grad = tied.param.grad if tied.param.grad is not None else torch.zeros_like(tied.param)
+                # A copy: the DP all-reduce that follows rewrites .grad while the send may be in flight.
+                grad = tied.param.grad.clone() if tied.param.grad is not None else torch.zeros_like(tied.param)
                 self.channel.send((grad,), (self.pipeline, tied.owner_stage), TIED_GRADIENT, 0, tied.index)
 
     def _exchange_tied_weights(self) -> None:
