@@ -1,10 +1,12 @@
 """Decoupled backprop: BackwardInput (grads of the stage inputs) and BackwardWeight (grads of
 the parameters, later).
 
-B uses torch's reference graph split (``torch.distributed.pipelining._backward``): it finds,
-for every parameter, the autograd nodes where the parameter's subgraph joins the path from the
-stage input to its output, captures the gradients that flow into those nodes, and computes only
-the input gradients. W then back-propagates the captured gradients from those nodes to the
+B follows torch's reference graph split (``torch.distributed.pipelining._backward``, whose
+graph helpers it uses): it finds, for every parameter, the autograd nodes where the parameter's
+subgraph joins the path from the stage input to its output, captures the gradients that flow into
+those nodes, and computes only the input gradients. Unlike torch's ``stage_backward_input`` it
+does not detach the outputs in place, which fails when an output is a view (a Linear on 3-D
+input); the engine drops its references to the outputs instead. W then back-propagates the captured gradients from those nodes to the
 parameters through ``AccumulateGrad``, so parameter hooks fire as in a fused backward.
 
 W pins the captured gradients on *every* intermediate node with a node pre-hook. Without that,
@@ -18,12 +20,17 @@ backward.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import GradientEdge
-from torch.distributed.pipelining._backward import stage_backward_input
+from torch.distributed.pipelining._backward import (
+    _get_grad_fn_or_grad_acc,
+    construct_reverse_graph,
+    get_param_groups,
+)
 
 
 @dataclass
@@ -46,15 +53,36 @@ def backward_input(
     Returns the input gradients (None where an input needs none) and the work for W.
     """
     outputs = [t for t in outputs if t.requires_grad or t.grad_fn is not None]
-    if output_grads is not None:
-        output_grads = list(output_grads)
-        if len(output_grads) != len(outputs):
-            raise ValueError(f"backward_input: {len(outputs)} outputs need grads but {len(output_grads)} were given")
-    if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
-        grads = output_grads if output_grads is not None else [torch.ones_like(t) for t in outputs]
-        return tuple(None for _ in inputs), WeightGradWork(deferred_outputs=outputs, deferred_grads=list(grads))
-    input_grads, param_groups = stage_backward_input(outputs, output_grads, list(inputs), iter(params))
-    return input_grads, WeightGradWork(param_groups=param_groups)
+    grads = list(output_grads) if output_grads is not None else [torch.ones_like(t) for t in outputs]
+    if len(grads) != len(outputs):
+        raise ValueError(f"backward_input: {len(outputs)} outputs need grads but {len(grads)} were given")
+    wanted = [i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not wanted:
+        return tuple(None for _ in inputs), WeightGradWork(deferred_outputs=outputs, deferred_grads=grads)
+
+    output_nodes = [n for n in map(_get_grad_fn_or_grad_acc, outputs) if n is not None]
+    input_nodes = [n for n in (_get_grad_fn_or_grad_acc(inputs[i]) for i in wanted) if n is not None]
+    weight_nodes = [n for n in (_get_grad_fn_or_grad_acc(p) for p in params if p.requires_grad) if n is not None]
+    param_groups = get_param_groups(input_nodes, weight_nodes, construct_reverse_graph(output_nodes))
+    handles = []
+    for group in param_groups:
+        group["intermediates"] = list(group["intermediates"])
+        group["grads"] = [None] * len(group["intermediates"])
+        for i, node in enumerate(group["intermediates"]):
+            handles.append(node.register_prehook(functools.partial(_capture, group["grads"], i)))
+    try:
+        found = torch.autograd.grad(outputs, [inputs[i] for i in wanted], grads, retain_graph=True, allow_unused=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    input_grads: list[torch.Tensor | None] = [None] * len(inputs)
+    for i, grad in zip(wanted, found, strict=True):
+        input_grads[i] = grad
+    return tuple(input_grads), WeightGradWork(param_groups=param_groups)
+
+
+def _capture(store: list, index: int, grad_inputs):
+    store[index] = grad_inputs
 
 
 def backward_weight(work: WeightGradWork) -> None:
@@ -63,9 +91,7 @@ def backward_weight(work: WeightGradWork) -> None:
         torch.autograd.backward(work.deferred_outputs, work.deferred_grads)
     for group in work.param_groups:
         edges, grads, handles = [], [], []
-        captured = group.get("grads")
-        if captured is None:
-            continue
+        captured = group["grads"]
         try:
             for node_grads, node in zip(captured, group["intermediates"], strict=True):
                 for i, grad in enumerate(node_grads):

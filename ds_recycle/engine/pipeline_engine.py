@@ -75,7 +75,8 @@ class RecyclePipelineEngine(PipelineEngine):
         self._own_loss: torch.Tensor | None = None
         logger.info(
             f"ReCycle engine on worker (pipeline {self.worker[0]}, stage {self.worker[1]}): "
-            f"decoupled_backprop={self.recycle.decoupled_backprop} staggered_optimizer={self.recycle.staggered_optimizer}"
+            f"decoupled_backprop={self.recycle.decoupled_backprop} "
+            f"staggered_optimizer={self.recycle.staggered_optimizer}"
         )
 
     def _check_supported(self) -> None:
