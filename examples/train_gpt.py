@@ -58,6 +58,7 @@ def make_optimizer(args, model):
 
 def main() -> None:
     args = parse_args()
+    torch.set_num_threads(1)  # several CPU ranks share this host's cores; more threads only contend
     deepspeed.init_distributed(dist_backend="gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     if world % args.pipeline_stages:

@@ -6,8 +6,9 @@ graph helpers it uses): it finds, for every parameter, the autograd nodes where 
 subgraph joins the path from the stage input to its output, captures the gradients that flow into
 those nodes, and computes only the input gradients. Unlike torch's ``stage_backward_input`` it
 does not detach the outputs in place, which fails when an output is a view (a Linear on 3-D
-input); the engine drops its references to the outputs instead. W then back-propagates the captured gradients from those nodes to the
-parameters through ``AccumulateGrad``, so parameter hooks fire as in a fused backward.
+input); the engine drops its references to the outputs instead. W then back-propagates the
+captured gradients from those nodes to the parameters through ``AccumulateGrad``, so parameter
+hooks fire as in a fused backward.
 
 W pins the captured gradients on *every* intermediate node with a node pre-hook. Without that,
 tensor hooks on the stage output (DeepSpeed's 1/GAS hook on the last stage) would run a second

@@ -1,0 +1,80 @@
+"""ReCycle's engine against stock DeepSpeed, fault-free, under timing emulation.
+
+Both engines train the same tiny GPT with pp=4 x dp=1 and m=8 micro-batches, one after the
+other in this run (the stock one is ``recycle.enabled: false``: DeepSpeed's own schedule and
+instructions, padded the same way), with every F, B and W padded to the same duration (stock's fused backward to
+B + W) so that this host's few cores stand in for four devices. Prints each engine's median
+iteration time, the ratio ours/stock, and the planner's prediction of that ratio.
+
+    .venv/bin/python bench/engine_vs_stock.py [--ms 20] [--steps 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ds_recycle.planner.fault_free import fault_free_plan
+from ds_recycle.planner.list_scheduler import ScheduleOptions
+from ds_recycle.planner.plan import CostModel
+from ds_recycle.runtime.launcher import launch
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES, PIPELINES, MICROBATCHES = 4, 1, 8
+
+
+def run_engine(name: str, stock: bool, ms: float, steps: int, workdir: Path) -> list[float]:
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": MICROBATCHES,
+        "steps_per_print": 10**9,
+        "gradient_clipping": 0.0,
+        "recycle": {"enabled": not stock, "emulate_timing": {"F": ms, "B": ms, "W": ms}},
+    }
+    config_path = workdir / f"{name}.json"
+    config_path.write_text(json.dumps(config))
+    argv = [
+        str(ROOT / "examples" / "train_gpt.py"),
+        "--deepspeed_config", str(config_path),
+        "--pipeline-stages", str(STAGES),
+        "--steps", str(steps),
+        "--layers", "4", "--d-model", "32", "--seq-len", "16", "--optimizer", "sgd",
+        "--dump", str(workdir / name),
+    ]  # fmt: skip
+    results = launch(argv, STAGES * PIPELINES, timeout=600, log_dir=workdir / f"{name}-logs")
+    for r in results:
+        if not r.ok:
+            sys.stderr.write(r.log[-4000:])
+            raise SystemExit(f"{name}: rank {r.rank} failed ({r.returncode})")
+    per_rank = [torch.load(workdir / name / f"rank{r}.pt")["iter_seconds"] for r in range(STAGES * PIPELINES)]
+    return [max(times) for times in zip(*per_rank, strict=True)][2:]  # drop warm-up iterations
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ms", type=float, default=20.0, help="emulated duration of each F, B and W")
+    parser.add_argument("--steps", type=int, default=12)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        stock = statistics.median(run_engine("stock", True, args.ms, args.steps, workdir))
+        ours = statistics.median(run_engine("recycle", False, args.ms, args.steps, workdir))
+    costs = CostModel.uniform(STAGES, F=args.ms, B=args.ms, W=args.ms)
+    planned = fault_free_plan(PIPELINES, STAGES, MICROBATCHES, costs).iteration_time
+    fused = fault_free_plan(PIPELINES, STAGES, MICROBATCHES, costs, options=ScheduleOptions(decoupled=False))
+    one_f_one_b = (MICROBATCHES + STAGES - 1) * 3 * args.ms
+    print(f"pp={STAGES} dp={PIPELINES} m={MICROBATCHES} F=B=W={args.ms:g} ms, median over {args.steps - 2} iterations")
+    print(f"stock DeepSpeed   median iteration {stock * 1e3:8.1f} ms  (1F1B ideal {one_f_one_b:.0f} ms)")
+    print(f"ReCycle engine    median iteration {ours * 1e3:8.1f} ms  (plan {planned:.0f} ms)")
+    print(f"ratio ours/stock  {ours / stock:.3f}  (planned/1F1B {planned / one_f_one_b:.3f}; "
+          f"fused plan/1F1B {fused.iteration_time / one_f_one_b:.3f})")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

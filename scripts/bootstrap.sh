@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Create (or reuse) .venv and install ds_recycle with its test extras.
+# torch==2.13.0 goes first: it is the CPU wheel here, and installing it first keeps the
+# `torch>=2.13` requirement of deepspeed and ds_recycle from pulling a CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --upgrade pip
+.venv/bin/python -m pip install --quiet torch==2.13.0
+.venv/bin/python -m pip install --quiet -e ".[test]"
