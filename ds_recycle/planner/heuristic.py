@@ -30,7 +30,7 @@ from ds_recycle.planner.list_scheduler import (
 from ds_recycle.planner.lower_bound import check_survivors, lower_bound
 from ds_recycle.planner.normalize import canonical, invert, relabel
 from ds_recycle.planner.plan import CostModel, Op, Plan, Worker
-from ds_recycle.sim.simulator import retime, simulate
+from ds_recycle.sim.simulator import retime_and_simulate
 
 POLICIES: tuple[SchedulePolicy, ...] = (
     SchedulePolicy(),
@@ -92,11 +92,11 @@ def plan_heuristic(
     workers, chosen = _best_schedule(D, P, m, key, costs, cap, options, bound, budget_ops)
     plan = Plan(D, P, m, key, costs, cap, workers, solver="heuristic")
     plan.extra.update({"decoupled": options.decoupled, "staggered": options.staggered, "candidate": chosen["name"]})
-    plan = retime(plan)
+    plan, result = retime_and_simulate(plan, iterations=iterations)
     plan = relabel(plan, invert(permutation))
     plan.failed = failed
     plan.lower_bound = bound
-    plan.steady_state_period = simulate(plan, iterations=iterations).steady_state_period
+    plan.steady_state_period = result.steady_state_period
     plan.solve_seconds = time.perf_counter() - began
     return plan
 

@@ -20,6 +20,7 @@ input arrives, among the ops whose inputs have arrived by then, so a run costs O
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -149,17 +150,17 @@ class _SchedulerState:
         self.f_seq: dict[tuple[int, int, int], int] = {}  # order in which F ran on its worker
         self.f_end: dict[tuple[int, int, int], float] = {}
         self.events: list = []
-        self.seq = 0
+        self.counter = itertools.count()
 
     # -- event plumbing -------------------------------------------------------------------
     def _arrive(self, wi: int, time: float, kind: str, h: int, k: int) -> None:
-        self.seq += 1
-        heapq.heappush(self.arrivals[wi], (time, self.seq, kind, h, k))
-        heapq.heappush(self.events, (time, self.seq, wi))
+        seq = next(self.counter)
+        heapq.heappush(self.arrivals[wi], (time, seq, kind, h, k))
+        if time >= self.free_at[wi]:  # a busy worker looks at its arrivals when it becomes free
+            heapq.heappush(self.events, (time, seq, wi))
 
     def _wake(self, wi: int, time: float) -> None:
-        self.seq += 1
-        heapq.heappush(self.events, (time, self.seq, wi))
+        heapq.heappush(self.events, (time, next(self.counter), wi))
 
     def run(self) -> dict[Worker, list[Op]]:
         for (h, k, s), wi in self.runner.items():
@@ -194,7 +195,7 @@ class _SchedulerState:
             elif kind == BACKWARD_INPUT:
                 heapq.heappush(self.ready_b[wi], (self.f_seq[(h, k, s)], h, k))
             else:
-                heapq.heappush(self.ready_w[wi], (self.seq, h, k))
+                heapq.heappush(self.ready_w[wi], (next(self.counter), h, k))
         nf, nb, nw = self.counts[wi]
         ready_f, ready_b, ready_w = self.ready_f[wi], self.ready_b[wi], self.ready_w[wi]
         policy = self.policy

@@ -34,6 +34,11 @@ class SimResult:
 def simulate(plan: Plan, iterations: int = 4, staggered: bool | None = None) -> SimResult:
     """Run ``iterations`` consecutive iterations of ``plan``. ``staggered`` defaults to the way the
     plan was made (``plan.extra["staggered"]``, True if absent)."""
+    return retime_and_simulate(plan, iterations, staggered)[1]
+
+
+def retime_and_simulate(plan: Plan, iterations: int = 4, staggered: bool | None = None) -> tuple[Plan, SimResult]:
+    """:func:`retime` and :func:`simulate` from one replay."""
     if iterations < 1:
         raise ValueError(f"iterations={iterations} must be >= 1")
     if staggered is None:
@@ -49,7 +54,8 @@ def simulate(plan: Plan, iterations: int = 4, staggered: bool | None = None) -> 
         half = (iterations - 1) // 2
         period = (ends[-1] - ends[half]) / (iterations - 1 - half)
     busy = {w: sum(op.end - op.start for op in ops) for w, ops in plan.workers.items()}
-    return SimResult(ends[0], period, ends, busy)
+    workers = {w: [op for it, op in ops if it == 0] for w, ops in timed.items()}
+    return replace(plan, workers=workers, iteration_time=ends[0]), SimResult(ends[0], period, ends, busy)
 
 
 def retime(plan: Plan, staggered: bool | None = None) -> Plan:
@@ -154,4 +160,4 @@ def _replay(plan: Plan, iterations: int, staggered: bool) -> dict[Worker, list[t
     return {w: out[i] for i, w in enumerate(workers)}
 
 
-__all__ = ["SimResult", "retime", "simulate"]
+__all__ = ["SimResult", "retime", "retime_and_simulate", "simulate"]
