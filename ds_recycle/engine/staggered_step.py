@@ -20,15 +20,16 @@ each of them with a message that is sent early and received only when it is alre
 - **The loss**: the last stage averages it over its DP group and sends it to the other stages of
   its pipeline, which receive it when their iteration ends. No broadcast.
 
-With ``staggered_optimizer: false`` the step is synchronous instead: the partial norms are summed
-by an all-reduce over the pipeline before any stage steps.
+With ``staggered_optimizer: false`` the step is synchronous instead, as in stock DeepSpeed: the
+partial norms are summed by an all-reduce over the pipeline before any stage steps (with or without
+clipping), so no stage steps before every stage has finished its backward.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -52,7 +53,6 @@ class _PendingValidation:
     snapshot_optimizer: dict
     reduced_grads: list[torch.Tensor | None]
     partial_sq_norm: float
-    sends: list = field(default_factory=list)
 
 
 class StageStepper:
@@ -93,16 +93,18 @@ class StageStepper:
         counted = [p for p in params if not any(p is f for f in followed)]
         if engine.is_last_stage():
             self._send_loss()
+        if self.synchronous:
+            # Stock DeepSpeed's cross-stage point: every stage waits here for the global norm.
+            total = torch.tensor([_sq_norm(counted)], dtype=torch.float64)
+            dist.all_reduce(total, group=engine.grid.get_pipe_parallel_group())
+            if self.clip > 0:
+                self._scale_grads(counted, self._clip_coef(total.item()))
+            self._optimizer_step(params, followed)
+            return
         if self.clip <= 0:
             self._optimizer_step(params, followed)
             return
         partial = _sq_norm(counted)
-        if self.synchronous:
-            total = torch.tensor([partial], dtype=torch.float64)
-            dist.all_reduce(total, group=engine.grid.get_pipe_parallel_group())
-            self._scale_grads(counted, self._clip_coef(total.item()))
-            self._optimizer_step(params, followed)
-            return
         self._pending = _PendingValidation(
             snapshot_params=[p.detach().clone() for p in params],
             snapshot_optimizer=copy.deepcopy(engine.optimizer.state_dict()),

@@ -56,10 +56,24 @@ def topology_2x2(tmp_path_factory):
 @pytest.fixture(scope="module")
 def topology_4x1(tmp_path_factory):
     m = 8
-    emulated = {"enabled": True, "emulate_timing": {"F": 15, "B": 15, "W": 15}}
+    timing = {"F": 15, "B": 15, "W": 15}
+    staggered = {"decoupled_backprop": False, "emulate_timing": timing}
+    synchronous = {"decoupled_backprop": False, "staggered_optimizer": False, "emulate_timing": timing}
     runs = parity_runs(m) + [
-        {"name": "emulated", "engine": "recycle", "optimizer": "sgd", "config": ds_config(m, recycle=emulated)},
+        {
+            "name": "emulated-staggered",
+            "engine": "recycle",
+            "optimizer": "sgd",
+            "config": ds_config(m, recycle=staggered),
+        },
+        {"name": "emulated-sync", "engine": "recycle", "optimizer": "sgd", "config": ds_config(m, recycle=synchronous)},
         {"name": "clip-staggered", "engine": "recycle", "optimizer": "sgd", "config": ds_config(m, CLIP, RECYCLE)},
+        {
+            "name": "undecoupled-synchronous",
+            "engine": "recycle",
+            "optimizer": "sgd",
+            "config": ds_config(m, recycle={"decoupled_backprop": False, "staggered_optimizer": False}),
+        },
     ]
     return 4, 1, m, run_ranks(tmp_path_factory.mktemp("pp4dp1"), pp=4, dp=1, runs=runs, steps=STEPS)
 
@@ -80,6 +94,13 @@ def test_parity_with_stock_deepspeed(request, topology, optimizer):
     assert len(stock[0]["losses"]) == STEPS
     assert stock[0]["losses"][0] != stock[0]["losses"][-1], "training did not move the parameters"
     assert_bitwise_equal(stock, ours)
+
+
+def test_every_option_combination_keeps_stock_numerics(topology_4x1):
+    _pp, _dp, _m, dumps = topology_4x1
+    assert_bitwise_equal(dumps["stock-sgd"], dumps["undecoupled-synchronous"])
+    assert_bitwise_equal(dumps["stock-sgd"], dumps["emulated-staggered"])
+    assert_bitwise_equal(dumps["stock-sgd"], dumps["emulated-sync"])
 
 
 def test_disabled_recycle_is_stock_deepspeed(topology_2x2):
@@ -149,15 +170,24 @@ def test_clipping_uses_true_global_norm_4x1(topology_4x1):
     assert_matches_reference(dumps["clip-staggered"], params, rtol=1e-5, atol=1e-6)
 
 
-def test_later_stage_steps_before_stage0_finishes_backward(topology_4x1):
+def _step_end_and_stage0_backward_end(dumps, stage, iteration):
+    by_stage = {d["stage"]: d for d in dumps}
+    backward = ("BackwardInput", "BackwardWeight")
+    stage0_end = max(end for name, *_r, end in by_stage[0]["events"][iteration] if name in backward)
+    step_end = next(end for name, *_r, end in by_stage[stage]["events"][iteration] if name == "StaggeredStep")
+    return step_end, stage0_end
+
+
+def test_later_stages_step_before_stage0_finishes_its_backward(topology_4x1):
+    """Staggering is real: with each op padded to 15 ms and W right after B (1F1B order, so the
+    last stage is done three backward steps before stage 0), the last stage's optimizer step has
+    ended before stage 0's last backward. The synchronous control run waits for stage 0."""
     pp, _dp, _m, dumps = topology_4x1
-    by_stage = {d["stage"]: d for d in dumps["emulated"]}
     for iteration in range(1, STEPS):
-        stage0 = by_stage[0]["events"][iteration]
-        last_backward_end = max(end for name, *_r, end in stage0 if name in ("BackwardInput", "BackwardWeight"))
-        for stage in range(1, pp):
-            step_end = next(end for name, *_r, end in by_stage[stage]["events"][iteration] if name == "StaggeredStep")
-            assert step_end < last_backward_end, f"stage {stage} stepped after stage 0's last backward"
+        step_end, stage0_end = _step_end_and_stage0_backward_end(dumps["emulated-staggered"], pp - 1, iteration)
+        assert step_end < stage0_end, f"iteration {iteration}: the last stage stepped after stage 0's last backward"
+        step_end, stage0_end = _step_end_and_stage0_backward_end(dumps["emulated-sync"], pp - 1, iteration)
+        assert step_end >= stage0_end, f"iteration {iteration}: the synchronous step did not wait for stage 0"
 
 
 @pytest.mark.parametrize("topology", ["topology_2x2", "topology_4x1"])
