@@ -25,6 +25,8 @@ from ds_recycle.planner.lower_bound import check_survivors
 from ds_recycle.planner.normalize import canonical, invert, relabel
 from ds_recycle.planner.plan import CostModel, Plan, Worker
 
+MAX_RELABELLED = 4096
+
 Planner = Callable[..., Plan]
 """``planner(D, P, m, failed, costs=..., memory_cap=..., options=...) -> Plan``."""
 
@@ -37,6 +39,8 @@ class PlanCache:
         self.planner = planner
         self.solver = solver
         self.memory: dict[str, Plan] = {}
+        self.relabelled: dict[tuple[str, tuple[Worker, ...]], Plan] = {}
+        """Plans already mapped to a caller's labels, so that repeated hits skip the relabelling."""
         self.hits = 0
         self.misses = 0
 
@@ -80,6 +84,10 @@ class PlanCache:
     ) -> Plan | None:
         failed = tuple(sorted({(int(p), int(s)) for p, s in failed}))
         key, permutation = self.key(pipelines, stages, microbatches, failed, costs, memory_cap, options)
+        mapped = self.relabelled.get((key, failed))
+        if mapped is not None:
+            self.hits += 1
+            return mapped
         plan = self.memory.get(key)
         if plan is None and self.path is not None:
             plan = self._load(key)
@@ -88,7 +96,7 @@ class PlanCache:
         if plan is None:
             return None
         self.hits += 1
-        return _to_labels(plan, permutation, failed)
+        return self._remember(key, failed, _to_labels(plan, permutation, failed))
 
     def get_or_plan(
         self,
@@ -121,7 +129,13 @@ class PlanCache:
         self.memory[key] = plan
         if self.path is not None:
             self._store(key, plan)
-        return _to_labels(plan, permutation, failed)
+        return self._remember(key, failed, _to_labels(plan, permutation, failed))
+
+    def _remember(self, key: str, failed: tuple[Worker, ...], plan: Plan) -> Plan:
+        if len(self.relabelled) >= MAX_RELABELLED:
+            self.relabelled.pop(next(iter(self.relabelled)))  # the oldest
+        self.relabelled[(key, failed)] = plan
+        return plan
 
     def precompute(
         self,

@@ -32,28 +32,46 @@ from ds_recycle.planner.normalize import canonical, invert, relabel
 from ds_recycle.planner.plan import CostModel, Op, Plan, Worker
 from ds_recycle.sim.simulator import retime_and_simulate
 
-POLICIES: tuple[SchedulePolicy, ...] = (
-    SchedulePolicy(),
-    SchedulePolicy(heavy_warmup=True),
-    SchedulePolicy(heavy_warmup=True, forward_first_stage0=True, unblock_memory=True),
-    SchedulePolicy(heavy_warmup=True, extra_warmup=1),
-    SchedulePolicy(heavy_warmup=True, forward_first=True),
-    SchedulePolicy(forward_first_stage0=True, unblock_memory=True),
-    SchedulePolicy(unblock_memory=True),
-    SchedulePolicy(forward_first_stage0=True),
-    SchedulePolicy(own_first=True),
-    SchedulePolicy(extra_warmup=1),
-    SchedulePolicy(w_lookahead=True),
-    SchedulePolicy(forward_first=True),
-    SchedulePolicy(forward_first_stage0=True, unblock_memory=True, own_first=True),
-    SchedulePolicy(forward_first_stage0=True, unblock_memory=True, extra_warmup=1),
-    SchedulePolicy(heavy_warmup=True, heavy_forward_first=True),
-    SchedulePolicy(heavy_warmup=True, heavy_forward_first=True, forward_first_stage0=True, unblock_memory=True),
-    SchedulePolicy(heavy_warmup=True, heavy_forward_first=True, unblock_memory=True),
-)
-"""Candidate scheduling policies, most useful first."""
+POLICIES: dict[str, SchedulePolicy] = {
+    "zb": SchedulePolicy(),
+    "heavy": SchedulePolicy(heavy_warmup=True),
+    "heavy+f0+unblock": SchedulePolicy(heavy_warmup=True, forward_first_stage0=True, unblock_memory=True),
+    "heavy+warm1": SchedulePolicy(heavy_warmup=True, extra_warmup=1),
+    "heavy+ffirst": SchedulePolicy(heavy_warmup=True, forward_first=True),
+    "f0+unblock": SchedulePolicy(forward_first_stage0=True, unblock_memory=True),
+    "unblock": SchedulePolicy(unblock_memory=True),
+    "f0": SchedulePolicy(forward_first_stage0=True),
+    "own": SchedulePolicy(own_first=True),
+    "warm1": SchedulePolicy(extra_warmup=1),
+    "lookahead": SchedulePolicy(w_lookahead=True),
+    "ffirst": SchedulePolicy(forward_first=True),
+    "f0+unblock+own": SchedulePolicy(forward_first_stage0=True, unblock_memory=True, own_first=True),
+    "f0+unblock+warm1": SchedulePolicy(forward_first_stage0=True, unblock_memory=True, extra_warmup=1),
+    "heavy+hf": SchedulePolicy(heavy_warmup=True, heavy_forward_first=True),
+    "heavy+hf+f0+unblock": SchedulePolicy(
+        heavy_warmup=True, heavy_forward_first=True, forward_first_stage0=True, unblock_memory=True
+    ),
+    "heavy+hf+unblock": SchedulePolicy(heavy_warmup=True, heavy_forward_first=True, unblock_memory=True),
+}
+"""Candidate scheduling policies by name."""
 
-DEFAULT_BUDGET_OPS = 60_000
+PREFERRED: tuple[tuple[str, str], ...] = (
+    ("rr1", "heavy+f0+unblock"),
+    ("rr1", "heavy+hf+unblock"),
+    ("rr0", "ffirst"),
+    ("rr0", "f0+unblock+own"),
+    ("rr0", "heavy+ffirst"),
+    ("rr1", "f0+unblock+own"),
+    ("rr0", "heavy+hf+f0+unblock"),
+    ("rr0", "heavy+f0+unblock"),
+    ("rr1", "ffirst"),
+    ("rr0", "heavy+warm1"),
+)
+"""The (assignment, policy) pairs tried first: a greedy cover of the best candidates measured
+over the benchmark grid (D in 2,3,4,8; P in 4,8; m in P,2P,4P; failures in one or two stages),
+so that a small budget still gets most of the quality. The other pairs follow."""
+
+DEFAULT_BUDGET_OPS = 30_000
 """About how many ops the candidates may list-schedule together (at least 2 candidates run)."""
 
 
@@ -128,18 +146,24 @@ def reroute_assignment(
 def candidates(
     pipelines: int, stages: int, microbatches: int, failed: Iterable[Worker]
 ) -> list[tuple[str, Assignment, SchedulePolicy]]:
-    """Every (name, assignment, policy) the heuristic may try, most promising first."""
+    """Every (name, assignment, policy) the heuristic may try, most promising first. ``rr1``
+    (the round-robin dealing shifted by one survivor) is only distinct when every stage keeps at
+    least two survivors; otherwise it falls back to ``rr0``."""
     failed = tuple(failed)
-    assignments: list[tuple[str, Assignment]] = [("rr0", reroute_assignment(pipelines, stages, microbatches, failed))]
-    max_survivors = min(pipelines - sum(1 for p, q in failed if q == s) for s in range(stages))
-    if failed and max_survivors > 1:
-        assignments.append(("rr1", reroute_assignment(pipelines, stages, microbatches, failed, offset=1)))
-    out = []
-    for i, policy in enumerate(POLICIES):
-        for name, assignment in assignments:
-            out.append((f"{name}/p{i}", assignment, policy))
-    # interleave: all policies on the first assignment first, then the second assignment
-    return sorted(out, key=lambda c: (c[0].split("/")[0] != "rr0", int(c[0].split("/p")[1])))
+    assignments: dict[str, Assignment] = {"rr0": reroute_assignment(pipelines, stages, microbatches, failed)}
+    min_survivors = min(pipelines - sum(1 for _p, q in failed if q == s) for s in range(stages))
+    if failed and min_survivors > 1:
+        assignments["rr1"] = reroute_assignment(pipelines, stages, microbatches, failed, offset=1)
+    order = list(PREFERRED) + [(a, p) for p in POLICIES for a in ("rr0", "rr1")]
+    out, seen = [], set()
+    for assignment_name, policy_name in order:
+        if assignment_name not in assignments:
+            assignment_name = "rr0"
+        name = f"{assignment_name}/{policy_name}"
+        if name not in seen:
+            seen.add(name)
+            out.append((name, assignments[assignment_name], POLICIES[policy_name]))
+    return out
 
 
 def _best_schedule(D, P, m, failed, costs, cap, options, bound, budget_ops):

@@ -9,9 +9,14 @@ times on every worker with the priorities of a ZB-H1-like schedule:
    (``P - s`` in 1F1B) and fewer than ``memory_cap`` between F and W;
 3. then BackwardWeight, which therefore fills the bubbles.
 
-A :class:`SchedulePolicy` varies these priorities (the heuristic planner tries several and keeps
-the best plan). S of a stage starts when every W of that stage, on all its live workers, has
-ended (staggered), or when every W of every stage has ended (synchronous).
+The default policy :data:`ZB_H1` adds two refinements that are never worse on fault-free
+schedules (checked on P <= 8, m <= 4P with random costs) and reach ZB-H1's ``3m + P - 1`` with
+unit costs: at stage 0 an allowed F goes before a B (a B there feeds nothing but its own W), and a
+W that frees the memory slot a ready F waits for goes first. A :class:`SchedulePolicy` varies these
+priorities (the heuristic planner tries several and keeps the best plan).
+
+S of a stage starts when every W of that stage, on all its live workers, has ended (staggered),
+or when every W of every stage has ended (synchronous).
 
 The scheduler is event driven: a worker decides what to run when it becomes free or when an
 input arrives, among the ops whose inputs have arrived by then, so a run costs O(ops log ops).
@@ -48,7 +53,7 @@ class ScheduleOptions:
 
 @dataclass(frozen=True)
 class SchedulePolicy:
-    """Tie-breaking rules of the list scheduler. The default is the ZB-H1-like B > F > W."""
+    """Tie-breaking rules of the list scheduler. ``SchedulePolicy()`` is the plain B > F > W."""
 
     forward_first_stage0: bool = False
     """At stage 0 a B feeds nothing but its own W, so prefer an allowed F over a B there."""
@@ -70,6 +75,10 @@ class SchedulePolicy:
     forwards up to the memory cap ahead of their backwards, to cover the longer busy period."""
 
 
+ZB_H1 = SchedulePolicy(forward_first_stage0=True, unblock_memory=True)
+"""The default policy of :func:`list_schedule`."""
+
+
 def identity_assignment(pipelines: int, stages: int, microbatches: int) -> dict[tuple[int, int, int], int]:
     return {(h, k, s): h for h in range(pipelines) for k in range(microbatches) for s in range(stages)}
 
@@ -88,7 +97,7 @@ def list_schedule(
     memory_cap: int,
     options: ScheduleOptions = ScheduleOptions(),
     warmup_limit: Callable[[Worker], int] | None = None,
-    policy: SchedulePolicy = SchedulePolicy(),
+    policy: SchedulePolicy = ZB_H1,
 ) -> dict[Worker, list[Op]]:
     """Return every live worker's ordered, timed ops. Raises ValueError if the assignment
     leaves some op unschedulable (for example a memory cap below 1)."""

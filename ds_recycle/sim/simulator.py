@@ -43,121 +43,145 @@ def retime_and_simulate(plan: Plan, iterations: int = 4, staggered: bool | None 
         raise ValueError(f"iterations={iterations} must be >= 1")
     if staggered is None:
         staggered = plan.extra.get("staggered", True)
-    timed = _replay(plan, iterations, staggered)
-    ends = [0.0] * iterations
-    for worker_ops in timed.values():
-        for it, op in worker_ops:
-            ends[it] = max(ends[it], op.end)
+    workers, ends = _replay(plan, iterations, staggered)
     if iterations == 1:
         period = ends[0]
     else:
         half = (iterations - 1) // 2
         period = (ends[-1] - ends[half]) / (iterations - 1 - half)
     busy = {w: sum(op.end - op.start for op in ops) for w, ops in plan.workers.items()}
-    workers = {w: [op for it, op in ops if it == 0] for w, ops in timed.items()}
     return replace(plan, workers=workers, iteration_time=ends[0]), SimResult(ends[0], period, ends, busy)
 
 
 def retime(plan: Plan, staggered: bool | None = None) -> Plan:
     """The same plan with every op moved to its earliest start in the plan's order; the
     iteration time becomes the new makespan. Never later than the plan's own times."""
-    if staggered is None:
-        staggered = plan.extra.get("staggered", True)
-    timed = _replay(plan, 1, staggered)
-    workers = {w: [op for _it, op in ops] for w, ops in timed.items()}
-    makespan = max((op.end for ops in workers.values() for op in ops), default=0.0)
-    return replace(plan, workers=workers, iteration_time=makespan)
+    return retime_and_simulate(plan, 1, staggered)[0]
 
 
-def _replay(plan: Plan, iterations: int, staggered: bool) -> dict[Worker, list[tuple[int, Op]]]:
+def _replay(plan: Plan, iterations: int, staggered: bool) -> tuple[dict[Worker, list[Op]], list[float]]:
+    """ASAP times of the plan's order over ``iterations`` iterations: the first iteration's
+    timed ops and the end of every iteration."""
     costs = plan.costs
     comm = costs.comm
     last = plan.stages - 1
     workers = plan.live_workers
+    n_workers = len(workers)
     orders = [plan.workers[w] for w in workers]
-    n_ops = [len(ops) for ops in orders]
-    runner = {}
-    for i, ops in enumerate(orders):
+    # number every op; deps[i] = [(op id, lag)], S ops get dep None and a step group
+    op_id: dict[tuple[str, int, int, int], int] = {}
+    where: list[int] = []
+    flat: list[Op] = []
+    for wi, ops in enumerate(orders):
         for op in ops:
             if op.kind != STEP:
-                runner[(op.kind, op.home, op.mb, op.stage)] = i
+                op_id[(op.kind, op.home, op.mb, op.stage)] = len(flat)
+            where.append(wi)
+            flat.append(op)
+    ids = [[0] * len(ops) for ops in orders]
+    i = 0
+    for wi, ops in enumerate(orders):
+        for j in range(len(ops)):
+            ids[wi][j] = i
+            i += 1
+    n = len(flat)
+    duration = [costs.duration(op.kind, op.stage) for op in flat]
+    deps: list[list[tuple[int, float]] | None] = []
+    for i, op in enumerate(flat):
+        kind, h, k, s = op.kind, op.home, op.mb, op.stage
+        if kind == STEP:
+            deps.append(None)
+            continue
+        keys = []
+        if kind == FORWARD and s > 0:
+            keys.append((FORWARD, h, k, s - 1))
+        elif kind == BACKWARD_INPUT:
+            keys.append((FORWARD, h, k, s))
+            if s < last:
+                keys.append((BACKWARD_INPUT, h, k, s + 1))
+        elif kind == BACKWARD_WEIGHT:
+            keys.append((BACKWARD_INPUT, h, k, s))
+        out = []
+        for key in keys:
+            d = op_id.get(key)
+            if d is None:
+                raise ValueError(f"simulator: {op.label()} depends on {key}, which no worker runs")
+            out.append((d, comm if where[d] != where[i] else 0.0))
+        deps.append(out)
     group_of = [w[1] if staggered else 0 for w in workers]
     group_size: dict[int, int] = {}
     for g in group_of:
         group_size[g] = group_size.get(g, 0) + 1
 
-    end: dict[tuple, float] = {}
-    waiting: dict[tuple, list[int]] = {}
+    start_t = [[0.0] * n for _ in range(iterations)]
+    end_t: list[list[float | None]] = [[None] * n for _ in range(iterations)]
+    waiting: dict[tuple[int, int], list[int]] = {}
     at_step: dict[tuple[int, int], list[int]] = {}
-    free = [0.0] * len(workers)
-    pc = [0] * len(workers)  # index into the K concatenated copies of the worker's ops
-    out: list[list[tuple[int, Op]]] = [[] for _ in workers]
-    stack = list(range(len(workers)))
-    total = iterations * sum(n_ops)
+    free = [0.0] * n_workers
+    pc = [0] * n_workers  # position in the K concatenated copies of the worker's ops
+    lengths = [len(ops) for ops in orders]
+    stack = list(range(n_workers))
     done = 0
 
-    def finish(i: int, it: int, op: Op, start: float) -> None:
+    def finish(wi: int, it: int, i: int, start: float) -> None:
         nonlocal done
-        duration = costs.duration(op.kind, op.stage)
-        stop = start + duration
-        out[i].append((it, Op(op.kind, op.home, op.mb, op.stage, start, stop)))
-        free[i] = stop
-        pc[i] += 1
+        stop = start + duration[i]
+        start_t[it][i] = start
+        end_t[it][i] = stop
+        free[wi] = stop
+        pc[wi] += 1
         done += 1
-        if op.kind != STEP:
-            key = (it, op.kind, op.home, op.mb, op.stage)
-            end[key] = stop
-            for waiter in waiting.pop(key, ()):
-                stack.append(waiter)
+        waiters = waiting.pop((it, i), None)
+        if waiters:
+            stack.extend(waiters)
 
     while stack:
-        i = stack.pop()
-        ops = orders[i]
-        while pc[i] < iterations * n_ops[i]:
-            it, j = divmod(pc[i], n_ops[i])
-            op = ops[j]
-            kind, h, k, s = op.kind, op.home, op.mb, op.stage
-            if kind == STEP:
-                group = (it, group_of[i])
+        wi = stack.pop()
+        length = lengths[wi]
+        while pc[wi] < iterations * length:
+            it, j = divmod(pc[wi], length)
+            i = ids[wi][j]
+            dep = deps[i]
+            if dep is None:  # S: wait for the whole step group
+                group = (it, group_of[wi])
                 arrived = at_step.setdefault(group, [])
-                if i in arrived:
+                if wi in arrived:
                     break
-                arrived.append(i)
-                if len(arrived) < group_size[group_of[i]]:
+                arrived.append(wi)
+                if len(arrived) < group_size[group_of[wi]]:
                     break
                 start = max(free[p] for p in arrived)
                 for p in arrived:
-                    finish(p, it, orders[p][pc[p] % n_ops[p]], start)
-                    if p != i:
+                    finish(p, it, ids[p][pc[p] % lengths[p]], start)
+                    if p != wi:
                         stack.append(p)
                 continue
-            deps = []
-            if kind == FORWARD and s > 0:
-                deps.append((it, FORWARD, h, k, s - 1))
-            elif kind == BACKWARD_INPUT:
-                deps.append((it, FORWARD, h, k, s))
-                if s < last:
-                    deps.append((it, BACKWARD_INPUT, h, k, s + 1))
-            elif kind == BACKWARD_WEIGHT:
-                deps.append((it, BACKWARD_INPUT, h, k, s))
-            start = free[i]
-            blocked = None
-            for dep in deps:
-                t = end.get(dep)
+            start = free[wi]
+            ends = end_t[it]
+            blocked = -1
+            for d, lag in dep:
+                t = ends[d]
                 if t is None:
-                    blocked = dep
+                    blocked = d
                     break
-                if runner[dep[1:]] != i:
-                    t += comm
-                start = max(start, t)
-            if blocked is not None:
-                waiting.setdefault(blocked, []).append(i)
+                if t + lag > start:
+                    start = t + lag
+            if blocked >= 0:
+                waiting.setdefault((it, blocked), []).append(wi)
                 break
-            finish(i, it, op, start)
-    if done != total:
-        stuck = [workers[i] for i in range(len(workers)) if pc[i] < iterations * n_ops[i]]
+            finish(wi, it, i, start)
+    if done != iterations * n:
+        stuck = [workers[w] for w in range(n_workers) if pc[w] < iterations * lengths[w]]
         raise ValueError(f"simulator: the plan's op order deadlocks (stuck workers: {stuck})")
-    return {w: out[i] for i, w in enumerate(workers)}
+    timed = {
+        w: [
+            Op(op.kind, op.home, op.mb, op.stage, start_t[0][i], end_t[0][i])
+            for op, i in zip(orders[wi], ids[wi], strict=True)
+        ]
+        for wi, w in enumerate(workers)
+    }
+    ends = [max((e for e in end_t[it] if e is not None), default=0.0) for it in range(iterations)]
+    return timed, ends
 
 
 __all__ = ["SimResult", "retime", "retime_and_simulate", "simulate"]

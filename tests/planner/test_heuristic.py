@@ -121,10 +121,13 @@ def test_reroute_spreads_work_evenly():
     assert all(assignment[(h, k, s)] == h for (h, k, s) in assignment if (h, s) not in set(failed))
 
 
-def test_fault_free_heuristic_matches_zb_h1():
+def test_fault_free_matches_zb_h1():
     plan = _check(plan_heuristic(1, 4, 8))
     assert plan.iteration_time == 27  # ZB-H1: 3m + P - 1 with unit costs
-    assert plan.iteration_time <= fault_free_plan(1, 4, 8).iteration_time
+    for D, P, m in [(1, 4, 8), (2, 4, 4), (1, 8, 8), (2, 3, 9)]:
+        engine_plan = fault_free_plan(D, P, m)  # what the engine runs
+        validate(engine_plan)
+        assert engine_plan.iteration_time == 3 * m + P - 1 == lower_bound(D, P, m, ())
 
 
 def test_single_failure_reaches_the_bound_on_a_simple_case():
