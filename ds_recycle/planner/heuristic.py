@@ -7,11 +7,14 @@
    ``floor`` or ``ceil`` of ``f_s m / (D - f_s)`` extra micro-batches, spread evenly in time.
    A re-routed micro-batch goes back to its home pipeline at the next stage. Survivors keep
    their own micro-batches in 1F1B order; a foreign one slots in next to the own one of the same k.
-3. Several candidate (assignment, :class:`SchedulePolicy`) pairs are list-scheduled; B is
-   critical and goes first, F follows a 1F1B warm-up limit and the memory cap, and W fills the
-   bubbles. The best by iteration time wins (ties: first candidate). A candidate that reaches
-   the lower bound stops the search. The number of candidates shrinks with the problem size so
-   that the planner stays fast (``budget_ops``).
+3. Several candidate (assignment, :class:`SchedulePolicy`) pairs are list-scheduled. All of
+   them let W fill the bubbles and respect the memory cap; they differ in whether B or F goes
+   first (F first at stage 0, or on the overloaded survivors, whose forwards start the round
+   trips that must hide behind their extra work), in the warm-up limit (1F1B's ``P - s``, or the
+   memory cap for overloaded survivors) and in whether a W that frees memory for a waiting F
+   jumps the queue. The best by iteration time wins (ties: the earlier candidate); reaching the
+   lower bound stops the search. The number of candidates shrinks with the problem size
+   (``budget_ops``) so that D=8, P=8, m=32 still plans in well under a second.
 4. The winner is re-timed as soon as possible in its order (:func:`retime`) and its steady-state
    period is measured by the simulator.
 """
