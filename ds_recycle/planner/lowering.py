@@ -48,10 +48,11 @@ class WorkerStream:
 
 
 def lower(plan: Plan) -> dict[Worker, WorkerStream]:
-    return {worker: _lower_worker(plan, worker) for worker in plan.live_workers}
+    runners = plan.runners()
+    return {worker: _lower_worker(plan, worker, runners) for worker in plan.live_workers}
 
 
-def _lower_worker(plan: Plan, worker: Worker) -> WorkerStream:
+def _lower_worker(plan: Plan, worker: Worker, runners: dict) -> WorkerStream:
     last_stage = plan.stages - 1
     free_slots: list[int] = []
     slot_of: dict[tuple[int, int], int] = {}
@@ -74,16 +75,16 @@ def _lower_worker(plan: Plan, worker: Worker) -> WorkerStream:
             if s == 0 or s == last_stage:
                 out.append(LoadMicroBatch(buf, h, k))
             if s > 0:
-                out.append(RecvActivation(buf, h, k, plan.runner_of(FORWARD, h, k, s - 1)))
+                out.append(RecvActivation(buf, h, k, runners[(FORWARD, h, k, s - 1)]))
             out.append(ForwardPass(buf, h, k))
             if s < last_stage:
-                out.append(SendActivation(buf, h, k, plan.runner_of(FORWARD, h, k, s + 1)))
+                out.append(SendActivation(buf, h, k, runners[(FORWARD, h, k, s + 1)]))
         elif op.kind == BACKWARD_INPUT:
             if s < last_stage:
-                out.append(RecvGrad(buf, h, k, plan.runner_of(BACKWARD_INPUT, h, k, s + 1)))
+                out.append(RecvGrad(buf, h, k, runners[(BACKWARD_INPUT, h, k, s + 1)]))
             out.append(BackwardInput(buf, h, k))
             if s > 0:
-                out.append(SendGrad(buf, h, k, plan.runner_of(BACKWARD_INPUT, h, k, s - 1)))
+                out.append(SendGrad(buf, h, k, runners[(BACKWARD_INPUT, h, k, s - 1)]))
         elif op.kind == BACKWARD_WEIGHT:
             out.append(BackwardWeight(buf, h, k))
             free_slots.append(slot_of.pop((h, k)))

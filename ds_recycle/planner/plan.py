@@ -109,21 +109,14 @@ class Plan:
     def live_workers(self) -> list[Worker]:
         return sorted(self.workers)
 
-    def runner_of(self, kind: str, home: int, mb: int, stage: int) -> Worker:
-        """The worker that runs op ``kind`` of micro-batch ``(home, mb)`` at ``stage``."""
-        return self._runner_index()[(kind, home, mb, stage)]
-
-    def _runner_index(self) -> dict[tuple[str, int, int, int], Worker]:
-        index = self.__dict__.get("_runners")
-        if index is None:
-            index = {
-                (op.kind, op.home, op.mb, op.stage): worker
-                for worker, ops in self.workers.items()
-                for op in ops
-                if op.kind != STEP
-            }
-            self.__dict__["_runners"] = index
-        return index
+    def runners(self) -> dict[tuple[str, int, int, int], Worker]:
+        """``(kind, home, mb, stage) -> worker`` for every F, B and W of the plan."""
+        return {
+            (op.kind, op.home, op.mb, op.stage): worker
+            for worker, ops in self.workers.items()
+            for op in ops
+            if op.kind != STEP
+        }
 
     @property
     def ratio(self) -> float:

@@ -18,7 +18,6 @@ def _copy(plan: Plan) -> Plan:
 
 def _refresh(plan: Plan) -> Plan:
     plan.iteration_time = max(op.end for ops in plan.workers.values() for op in ops)
-    plan.__dict__.pop("_runners", None)
     return plan
 
 
