@@ -47,16 +47,9 @@ def relabel(plan: Plan, mapping: Sequence[int]) -> Plan:
         raise ValueError(f"relabel: {list(mapping)} is not a permutation of range({plan.pipelines})")
     workers: dict[Worker, list[Op]] = {}
     for (p, s), ops in plan.workers.items():
-        workers[(mapping[p], s)] = [op if op.kind == STEP else _with_home(op, mapping[op.home]) for op in ops]
+        workers[(mapping[p], s)] = [
+            Op(kind, home if kind == STEP else mapping[home], mb, stage, start, end)
+            for kind, home, mb, stage, start, end in ops
+        ]
     failed = tuple(sorted((mapping[p], s) for p, s in plan.failed))
     return replace(plan, failed=failed, workers=workers, extra=dict(plan.extra))
-
-
-def _with_home(op: Op, home: int) -> Op:
-    """``replace(op, home=home)`` without the frozen dataclass's slow __init__ (a cache hit
-    relabels thousands of ops)."""
-    new = object.__new__(Op)
-    fields = new.__dict__
-    fields.update(op.__dict__)
-    fields["home"] = home
-    return new

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 Worker = tuple[int, int]
 """A worker is ``(pipeline, stage)``."""
@@ -21,9 +22,11 @@ STEP = "S"
 OP_KINDS = (FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, STEP)
 
 
-@dataclass(frozen=True)
-class Op:
-    """One op of a worker. ``S`` concerns a whole stage and has ``home == mb == -1``."""
+class Op(NamedTuple):
+    """One op of a worker. ``S`` concerns a whole stage and has ``home == mb == -1``.
+
+    A named tuple rather than a dataclass: plans hold thousands of ops and a cache hit on a
+    relabelled failure set rebuilds all of them, which a tuple does several times faster."""
 
     kind: str
     home: int

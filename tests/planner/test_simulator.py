@@ -77,11 +77,11 @@ def test_retime_never_delays():
     # push every op 2 units later and the last stage's S 1 more: still valid, retime pulls it back
     late = replace(
         plan,
-        workers={w: [replace(op, start=op.start + 2, end=op.end + 2) for op in ops] for w, ops in plan.workers.items()},
+        workers={w: [op._replace(start=op.start + 2, end=op.end + 2) for op in ops] for w, ops in plan.workers.items()},
     )
     for w in ((0, 3), (1, 3)):
         step = late.workers[w][-1]
-        late.workers[w][-1] = replace(step, start=step.start + 1, end=step.end + 1)
+        late.workers[w][-1] = step._replace(start=step.start + 1, end=step.end + 1)
     late.iteration_time = max(op.end for ops in late.workers.values() for op in ops)
     validate(late)
     tight = retime(late)

@@ -32,7 +32,7 @@ def _find(plan: Plan, kind: str, home: int, mb: int, stage: int) -> tuple[tuple[
 def _move(plan: Plan, worker, index: int, start: float) -> Plan:
     out = _copy(plan)
     op = out.workers[worker][index]
-    out.workers[worker][index] = replace(op, start=start, end=start + (op.end - op.start))
+    out.workers[worker][index] = op._replace(start=start, end=start + (op.end - op.start))
     return _refresh(out)
 
 
@@ -65,7 +65,7 @@ def test_f_b_w_on_different_workers(plan):
     worker, i = _find(plan, "W", 1, 3, 2)
     op = plan.workers[worker].pop(i)
     ops = plan.workers[(0, 2)]
-    ops.insert(len(ops) - 1, replace(op, start=ops[-2].end, end=ops[-2].end + 1))
+    ops.insert(len(ops) - 1, op._replace(start=ops[-2].end, end=ops[-2].end + 1))
     with pytest.raises(PlanError, match=r"W\(h=1,k=3,s=2\) on worker \(0, 2\): F, B and W of one \(h,k,s\) must share"):
         validate(_refresh(plan))
 
@@ -90,14 +90,14 @@ def test_live_worker_without_ops(plan):
 
 def test_stage_mismatch(plan):
     ops = plan.workers[(0, 1)]
-    ops[0] = replace(ops[0], stage=2)
+    ops[0] = ops[0]._replace(stage=2)
     with pytest.raises(PlanError, match=r"op.stage 2 differs from the worker's stage 1"):
         validate(plan)
 
 
 def test_duration_mismatch(plan):
     ops = plan.workers[(0, 1)]
-    ops[0] = replace(ops[0], end=ops[0].end + 0.5)
+    ops[0] = ops[0]._replace(end=ops[0].end + 0.5)
     with pytest.raises(PlanError, match=r"F\(h=0,k=0,s=1\).*duration"):
         validate(plan)
 
@@ -146,8 +146,8 @@ def test_last_stage_backward_follows_own_forward(plan):
     ops = plan.workers[worker]
     f, b = ops[i], ops[i + 1]
     assert b.kind == "B" and (b.home, b.mb) == (0, 0)
-    ops[i] = replace(b, start=f.start, end=f.start + (b.end - b.start))
-    ops[i + 1] = replace(f, start=ops[i].end, end=ops[i].end + (f.end - f.start))
+    ops[i] = b._replace(start=f.start, end=f.start + (b.end - b.start))
+    ops[i + 1] = f._replace(start=ops[i].end, end=ops[i].end + (f.end - f.start))
     with pytest.raises(PlanError, match=r"B\(h=0,k=0,s=2\).*B must follow its own F"):
         validate(_refresh(plan))
 
@@ -157,8 +157,8 @@ def test_weight_follows_backward(plan):
         for i in range(len(ops) - 1):
             b, w = ops[i], ops[i + 1]
             if b.kind == "B" and w.kind == "W" and (b.home, b.mb) == (w.home, w.mb):
-                ops[i] = replace(w, start=b.start, end=b.start + (w.end - w.start))
-                ops[i + 1] = replace(b, start=ops[i].end, end=ops[i].end + (b.end - b.start))
+                ops[i] = w._replace(start=b.start, end=b.start + (w.end - w.start))
+                ops[i + 1] = b._replace(start=ops[i].end, end=ops[i].end + (b.end - b.start))
                 with pytest.raises(PlanError, match=rf"W\(h={w.home},k={w.mb},s={w.stage}\).*W must follow its B"):
                     validate(_refresh(plan))
                 return
@@ -168,8 +168,8 @@ def test_weight_follows_backward(plan):
 def test_step_follows_every_weight_of_the_stage(plan):
     ops = plan.workers[(1, 1)]
     # delay worker (1, 1)'s last W and its S: worker (0, 1) now steps too early
-    ops[-2] = replace(ops[-2], start=ops[-2].start + 5, end=ops[-2].end + 5)
-    ops[-1] = replace(ops[-1], start=ops[-2].end, end=ops[-2].end + (ops[-1].end - ops[-1].start))
+    ops[-2] = ops[-2]._replace(start=ops[-2].start + 5, end=ops[-2].end + 5)
+    ops[-1] = ops[-1]._replace(start=ops[-2].end, end=ops[-2].end + (ops[-1].end - ops[-1].start))
     with pytest.raises(PlanError, match=r"S\(stage 1\) on worker \(0, 1\): S must follow every W of stage 1"):
         validate(_refresh(plan))
 
@@ -178,14 +178,14 @@ def test_exactly_one_step(plan):
     step = plan.workers[(0, 2)].pop()
     with pytest.raises(PlanError, match=r"\(0, 2\): each live worker needs exactly one S, found 0"):
         validate(_refresh(plan))
-    plan.workers[(0, 2)].extend([step, replace(step, start=step.end, end=step.end + (step.end - step.start))])
+    plan.workers[(0, 2)].extend([step, step._replace(start=step.end, end=step.end + (step.end - step.start))])
     with pytest.raises(PlanError, match="exactly one S, found 2"):
         validate(_refresh(plan))
 
 
 def test_step_fields(plan):
     ops = plan.workers[(0, 0)]
-    ops[-1] = replace(ops[-1], home=0)
+    ops[-1] = ops[-1]._replace(home=0)
     with pytest.raises(PlanError, match="home == mb == -1"):
         validate(plan)
 
