@@ -82,6 +82,10 @@ class RecyclePipelineEngine(PipelineEngine):
     def _check_supported(self) -> None:
         if self.is_pipe_partitioned or self.is_grad_partitioned:
             raise RecycleConfigError("recycle does not support pipe/grad partitioning (tensor parallelism > 1) yet")
+        if self.dynamic_shape:
+            raise RecycleConfigError(
+                "recycle does not support 'pipeline.dynamic_shape': activations between stages must keep one shape"
+            )
         if self.has_attention_mask or self.has_bool_tensors:
             raise RecycleConfigError("recycle does not support boolean tensors between stages; send them as float")
         if self.module.activation_checkpoint_interval > 0:

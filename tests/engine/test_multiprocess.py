@@ -43,6 +43,7 @@ def topology_2x2(tmp_path_factory):
             "config": ds_config(m, recycle={"enabled": False}),
         },
         {"name": "clip-staggered", "engine": "recycle", "optimizer": "sgd", "config": ds_config(m, CLIP, RECYCLE)},
+        {"name": "clip-never-hit", "engine": "recycle", "optimizer": "adam", "config": ds_config(m, 1e6, RECYCLE)},
         {
             "name": "clip-synchronous",
             "engine": "recycle",
@@ -101,6 +102,13 @@ def test_every_option_combination_keeps_stock_numerics(topology_4x1):
     assert_bitwise_equal(dumps["stock-sgd"], dumps["undecoupled-synchronous"])
     assert_bitwise_equal(dumps["stock-sgd"], dumps["emulated-staggered"])
     assert_bitwise_equal(dumps["stock-sgd"], dumps["emulated-sync"])
+
+
+def test_clipping_that_never_triggers_changes_nothing(topology_2x2):
+    """The optimistic step with its snapshot is exact when the global norm stays under the limit."""
+    _pp, _dp, _m, dumps = topology_2x2
+    assert all(n < 1e6 for d in dumps["clip-never-hit"] for n in d["grad_norms"])
+    assert_bitwise_equal(dumps["stock-adam"], dumps["clip-never-hit"])
 
 
 def test_disabled_recycle_is_stock_deepspeed(topology_2x2):
