@@ -22,4 +22,15 @@ def fault_free_plan(
         pipelines, stages, microbatches, identity_assignment(pipelines, stages, microbatches), costs, cap, options
     )
     makespan = max((op.end for ops in workers.values() for op in ops), default=0.0)
-    return Plan(pipelines, stages, microbatches, (), costs, cap, workers, iteration_time=makespan, solver="fault-free")
+    return Plan(
+        pipelines,
+        stages,
+        microbatches,
+        (),
+        costs,
+        cap,
+        workers,
+        iteration_time=makespan,
+        solver="fault-free",
+        extra={"decoupled": options.decoupled, "staggered": options.staggered},
+    )

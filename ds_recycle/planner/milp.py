@@ -56,6 +56,7 @@ from ds_recycle.planner.plan import (
     Plan,
     Worker,
 )
+from ds_recycle.sim.simulator import retime as sim_retime
 
 OpKey = tuple[str, int, int, int]
 """``(kind, home, mb, stage)`` of an F, B or W op."""
@@ -765,68 +766,12 @@ class _ModelBuilder:
         seq: dict[Worker, list[OpKey]] = {}
         for op in self.ops:
             seq.setdefault((runner[op[1:]], op[3]), []).append(op)
-        for ops in seq.values():
+        untimed: dict[Worker, list[Op]] = {}
+        for worker, ops in seq.items():
             ops.sort(key=lambda op: (round(self.t[op].x, 6), self.topo[self.index[op]]))
-        return retime(seq, self.costs, self.options, self.P)
-
-
-def retime(
-    sequences: dict[Worker, list[OpKey]], costs: CostModel, options: ScheduleOptions, stages: int
-) -> dict[Worker, list[Op]]:
-    """Earliest start times for given per-worker op orders (F, B, W only), then S per stage.
-    Raises ValueError if the orders are inconsistent with the precedences."""
-    runner = {op: w for w, ops in sequences.items() for op in ops}
-    pos = {w: 0 for w in sequences}
-    end: dict[OpKey, float] = {}
-    free = {w: 0.0 for w in sequences}
-    placed: dict[Worker, list[Op]] = {w: [] for w in sequences}
-    remaining = len(runner)
-    while remaining:
-        progressed = False
-        for w, ops in sequences.items():
-            while pos[w] < len(ops):
-                kind, h, k, s = op = ops[pos[w]]
-                ready = _ready_time(op, end, costs, options, stages)
-                if ready is None:
-                    break
-                start = max(ready, free[w])
-                if kind == BACKWARD_WEIGHT and not options.decoupled:
-                    start = max(start, end[(BACKWARD_INPUT, h, k, s)])
-                d = costs.duration(kind, s)
-                placed[w].append(Op(kind, h, k, s, start, start + d))
-                end[op] = free[w] = start + d
-                pos[w] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = {w: ops[pos[w]] for w, ops in sequences.items() if pos[w] < len(ops)}
-            raise ValueError(f"retime: per-worker orders contradict the precedences at {stuck}")
-    last_w: dict[int, float] = {}
-    for (_p, s), ops in placed.items():
-        last_w[s] = max(last_w.get(s, 0.0), max((op.end for op in ops), default=0.0))
-    everything = max(last_w.values(), default=0.0)
-    for w in placed:
-        start = last_w[w[1]] if options.staggered else everything
-        placed[w].append(Op(STEP, -1, -1, w[1], start, start + costs.step))
-    return placed
-
-
-def _ready_time(op: OpKey, end: dict[OpKey, float], costs: CostModel, options: ScheduleOptions, stages: int):
-    kind, h, k, s = op
-    if kind == FORWARD:
-        if s == 0:
-            return 0.0
-        prev = end.get((FORWARD, h, k, s - 1))
-        return None if prev is None else prev + costs.comm
-    if kind == BACKWARD_INPUT:
-        own = end.get((FORWARD, h, k, s))
-        if own is None:
-            return None
-        if s == stages - 1:
-            return own
-        upstream = end.get((BACKWARD_INPUT if options.decoupled else BACKWARD_WEIGHT, h, k, s + 1))
-        return None if upstream is None else max(own, upstream + costs.comm)
-    return end.get((BACKWARD_INPUT, h, k, s))
+            untimed[worker] = [Op(*op) for op in ops] + [Op(STEP, -1, -1, worker[1])]
+        order = Plan(self.D, self.P, self.m, (), self.costs, self.cap, untimed)
+        return sim_retime(order, staggered=self.options.staggered, decoupled=self.options.decoupled).workers
 
 
 def _name(triple: Triple) -> str:

@@ -2,10 +2,14 @@
 
 Every op starts as soon as its worker is free and its inputs are there (as soon as possible, in
 the plan's order). Dependencies are those of DESIGN.md §3 with the p2p latency between different
-workers; S of a stage starts when every live worker of the stage has reached its S (staggered), or
-when every live worker has (synchronous). Iteration i+1 repeats the same order on every worker, so
-F of iteration i+1 on a worker starts after that worker's S of iteration i: a stage that has
-stepped starts the next iteration while later stages are still finishing.
+workers. With a fused backward (``decoupled`` false) the input gradient leaves a worker only when
+its whole backward is done, so B of stage s waits for W of stage s+1. S of a stage starts when
+every live worker of the stage has reached its S (staggered), or when every live worker has
+(synchronous). Both options default to the way the plan was made (``plan.extra``).
+
+Iteration i+1 repeats the same order on every worker, so F of iteration i+1 on a worker starts
+after that worker's S of iteration i: a stage that has stepped starts the next iteration while
+later stages are still finishing.
 """
 
 from __future__ import annotations
@@ -31,19 +35,24 @@ class SimResult:
         return 1.0 - sum(self.busy.values()) / total if total else 0.0
 
 
-def simulate(plan: Plan, iterations: int = 4, staggered: bool | None = None) -> SimResult:
-    """Run ``iterations`` consecutive iterations of ``plan``. ``staggered`` defaults to the way the
-    plan was made (``plan.extra["staggered"]``, True if absent)."""
-    return retime_and_simulate(plan, iterations, staggered)[1]
+def simulate(
+    plan: Plan, iterations: int = 4, staggered: bool | None = None, decoupled: bool | None = None
+) -> SimResult:
+    """Run ``iterations`` consecutive iterations of ``plan``."""
+    return retime_and_simulate(plan, iterations, staggered, decoupled)[1]
 
 
-def retime_and_simulate(plan: Plan, iterations: int = 4, staggered: bool | None = None) -> tuple[Plan, SimResult]:
+def retime_and_simulate(
+    plan: Plan, iterations: int = 4, staggered: bool | None = None, decoupled: bool | None = None
+) -> tuple[Plan, SimResult]:
     """:func:`retime` and :func:`simulate` from one replay."""
     if iterations < 1:
         raise ValueError(f"iterations={iterations} must be >= 1")
     if staggered is None:
         staggered = plan.extra.get("staggered", True)
-    workers, ends = _replay(plan, iterations, staggered)
+    if decoupled is None:
+        decoupled = plan.extra.get("decoupled", True)
+    workers, ends = _replay(plan, iterations, staggered, decoupled)
     if iterations == 1:
         period = ends[0]
     else:
@@ -53,13 +62,16 @@ def retime_and_simulate(plan: Plan, iterations: int = 4, staggered: bool | None 
     return replace(plan, workers=workers, iteration_time=ends[0]), SimResult(ends[0], period, ends, busy)
 
 
-def retime(plan: Plan, staggered: bool | None = None) -> Plan:
+def retime(plan: Plan, staggered: bool | None = None, decoupled: bool | None = None) -> Plan:
     """The same plan with every op moved to its earliest start in the plan's order; the
-    iteration time becomes the new makespan. Never later than the plan's own times."""
-    return retime_and_simulate(plan, 1, staggered)[0]
+    iteration time becomes the new makespan. Never later than the plan's own times. Raises
+    ValueError if the order contradicts the precedences (the replay deadlocks)."""
+    return retime_and_simulate(plan, 1, staggered, decoupled)[0]
 
 
-def _replay(plan: Plan, iterations: int, staggered: bool) -> tuple[dict[Worker, list[Op]], list[float]]:
+def _replay(
+    plan: Plan, iterations: int, staggered: bool, decoupled: bool
+) -> tuple[dict[Worker, list[Op]], list[float]]:
     """ASAP times of the plan's order over ``iterations`` iterations: the first iteration's
     timed ops and the end of every iteration."""
     costs = plan.costs
@@ -98,7 +110,7 @@ def _replay(plan: Plan, iterations: int, staggered: bool) -> tuple[dict[Worker, 
         elif kind == BACKWARD_INPUT:
             keys.append((FORWARD, h, k, s))
             if s < last:
-                keys.append((BACKWARD_INPUT, h, k, s + 1))
+                keys.append((BACKWARD_INPUT if decoupled else BACKWARD_WEIGHT, h, k, s + 1))
         elif kind == BACKWARD_WEIGHT:
             keys.append((BACKWARD_INPUT, h, k, s))
         out = []

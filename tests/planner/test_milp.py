@@ -9,7 +9,7 @@ import pytest
 from ds_recycle.planner.heuristic import plan_heuristic
 from ds_recycle.planner.list_scheduler import ScheduleOptions, list_schedule
 from ds_recycle.planner.lower_bound import NoSurvivorError
-from ds_recycle.planner.milp import plan_milp, retime
+from ds_recycle.planner.milp import plan_milp
 from ds_recycle.planner.plan import STEP, CostModel, Plan
 from ds_recycle.planner.validator import validate
 
@@ -124,13 +124,3 @@ def test_milp_rejects_a_stage_without_survivors_and_a_mismatched_warm_start() ->
     warm = plan_heuristic(2, 2, 2, [(0, 1)])
     with pytest.raises(ValueError, match="warm start"):
         plan_milp(2, 2, 2, [(1, 1)], time_limit=1.0, warm_start=warm)
-
-
-def test_retime_rejects_orders_that_contradict_precedences() -> None:
-    costs = CostModel.uniform(2)
-    sequences = {
-        (0, 0): [("B", 0, 0, 0), ("F", 0, 0, 0), ("W", 0, 0, 0)],
-        (0, 1): [("F", 0, 0, 1), ("B", 0, 0, 1), ("W", 0, 0, 1)],
-    }
-    with pytest.raises(ValueError, match="contradict"):
-        retime(sequences, costs, ScheduleOptions(), 2)

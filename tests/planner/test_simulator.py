@@ -9,7 +9,7 @@ import pytest
 from ds_recycle.planner.fault_free import fault_free_plan
 from ds_recycle.planner.heuristic import plan_heuristic
 from ds_recycle.planner.list_scheduler import ScheduleOptions
-from ds_recycle.planner.plan import CostModel
+from ds_recycle.planner.plan import CostModel, Op, Plan
 from ds_recycle.planner.validator import validate
 from ds_recycle.sim.cost_model import TransformerSpec, transformer_costs
 from ds_recycle.sim.simulator import retime, simulate
@@ -118,3 +118,25 @@ def test_transformer_cost_model():
     assert plan.iteration_time >= plan.lower_bound
     with pytest.raises(ValueError, match="cannot split"):
         transformer_costs(spec, stages=11)
+
+
+def test_retime_rejects_orders_that_contradict_precedences():
+    ops = {
+        (0, 0): [Op("B", 0, 0, 0), Op("F", 0, 0, 0), Op("W", 0, 0, 0), Op("S", -1, -1, 0)],
+        (0, 1): [Op("F", 0, 0, 1), Op("B", 0, 0, 1), Op("W", 0, 0, 1), Op("S", -1, -1, 1)],
+    }
+    plan = Plan(1, 2, 1, (), CostModel.uniform(2), 2, ops)
+    with pytest.raises(ValueError, match="deadlocks"):
+        retime(plan)
+
+
+def test_fused_backward_sends_input_grads_after_the_weight_grads():
+    """Without decoupled backprop, B of stage s waits for W of stage s+1."""
+    ops = {
+        (0, 0): [Op("F", 0, 0, 0), Op("B", 0, 0, 0), Op("W", 0, 0, 0), Op("S", -1, -1, 0)],
+        (0, 1): [Op("F", 0, 0, 1), Op("B", 0, 0, 1), Op("W", 0, 0, 1), Op("S", -1, -1, 1)],
+    }
+    plan = Plan(1, 2, 1, (), CostModel.uniform(2), 2, ops)
+    split = {op.kind: op.start for op in retime(plan, decoupled=True).workers[(0, 0)]}
+    fused = {op.kind: op.start for op in retime(plan, decoupled=False).workers[(0, 0)]}
+    assert split["B"] == 3.0 and fused["B"] == 4.0
