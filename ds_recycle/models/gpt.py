@@ -95,7 +95,13 @@ def _layers(cfg: GPTConfig) -> list[tuple[str, type, tuple]]:
     return [("embed", *embed), *body, ("head", *embed)]
 
 
-def build_gpt_pipeline(cfg: GPTConfig, num_stages: int, seed: int = 0, partition_method: str = "uniform"):
+def build_gpt_pipeline(
+    cfg: GPTConfig,
+    num_stages: int,
+    seed: int = 0,
+    partition_method: str = "uniform",
+    activation_checkpoint_interval: int = 0,
+):
     """A ``PipelineModule`` of the GPT. Needs torch.distributed initialized (DeepSpeed's rule)."""
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
@@ -113,6 +119,7 @@ def build_gpt_pipeline(cfg: GPTConfig, num_stages: int, seed: int = 0, partition
         partition_method=partition_method,
         base_seed=seed,
         seed_layers=True,
+        activation_checkpoint_interval=activation_checkpoint_interval,
     )
 
 

@@ -48,6 +48,7 @@ def run_ranks(tmp_path: Path, pp: int, dp: int, runs: list[dict], steps: int = 5
 def assert_bitwise_equal(expected: list[dict], actual: list[dict]) -> None:
     for want, got in zip(expected, actual, strict=True):
         assert got["losses"] == want["losses"], f"rank {got['rank']}: losses {got['losses']} != {want['losses']}"
+        assert got["eval_loss"] == want["eval_loss"], f"rank {got['rank']}: eval loss differs"
         assert want["params"].keys() == got["params"].keys()
         for name, value in want["params"].items():
             diff = (got["params"][name] - value).abs().max().item()

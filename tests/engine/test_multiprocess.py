@@ -45,6 +45,13 @@ def topology_2x2(tmp_path_factory):
         {"name": "clip-staggered", "engine": "recycle", "optimizer": "sgd", "config": ds_config(m, CLIP, RECYCLE)},
         {"name": "clip-never-hit", "engine": "recycle", "optimizer": "adam", "config": ds_config(m, 1e6, RECYCLE)},
         {
+            "name": "checkpointed",
+            "engine": "recycle",
+            "optimizer": "sgd",
+            "config": ds_config(m, 0.0, RECYCLE),
+            "checkpoint": 1,
+        },
+        {
             "name": "clip-synchronous",
             "engine": "recycle",
             "optimizer": "sgd",
@@ -109,6 +116,13 @@ def test_clipping_that_never_triggers_changes_nothing(topology_2x2):
     _pp, _dp, _m, dumps = topology_2x2
     assert all(n < 1e6 for d in dumps["clip-never-hit"] for n in d["grad_norms"])
     assert_bitwise_equal(dumps["stock-adam"], dumps["clip-never-hit"])
+
+
+def test_activation_checkpointing_keeps_stock_numerics(topology_2x2):
+    """DeepSpeed's checkpoint functions refuse autograd.grad; the engine swaps in torch's
+    non-reentrant checkpoint, which recomputes the same values."""
+    _pp, _dp, _m, dumps = topology_2x2
+    assert_bitwise_equal(dumps["stock-sgd"], dumps["checkpointed"])
 
 
 def test_disabled_recycle_is_stock_deepspeed(topology_2x2):

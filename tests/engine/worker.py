@@ -1,8 +1,8 @@
 """One rank of a multi-process engine test. Started by ds_recycle.runtime.launcher.
 
 For each run in --runs (a JSON list), it builds the GPT pipeline afresh from the same seed,
-initializes the requested engine, trains --steps iterations on the deterministic provider and
-writes out/<run>/rank<N>.pt with the losses, initial and final parameters, instruction events
+initializes the requested engine, trains --steps iterations on the deterministic provider, evaluates one
+batch, and writes out/<run>/rank<N>.pt with the losses, the eval loss, initial and final parameters, instruction events
 and, for ReCycle, the global gradient norms it computed.
 """
 
@@ -29,7 +29,9 @@ MODEL = dict(seq_len=16, d_model=32, n_heads=4, n_layers=2)
 def run_one(run: dict, pp: int, steps: int, out: Path) -> None:
     tokenizer, tokens = shipped_corpus_tokens()
     cfg = GPTConfig(tokenizer.vocab_size, **MODEL)
-    model = build_gpt_pipeline(cfg, num_stages=pp, seed=run.get("seed", 0))
+    model = build_gpt_pipeline(
+        cfg, num_stages=pp, seed=run.get("seed", 0), activation_checkpoint_interval=run.get("checkpoint", 0)
+    )
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     params = [p for p in model.parameters() if p.requires_grad]
     if run["optimizer"] == "adam":
@@ -46,6 +48,10 @@ def run_one(run: dict, pp: int, steps: int, out: Path) -> None:
         stepper = getattr(engine, "stepper", None)
         norms.append(getattr(stepper, "last_grad_norm", None))
         events.append([tuple(vars(e).values()) for e in getattr(engine, "instruction_events", [])])
+    eval_data = pipeline_iterator(
+        provider, engine.grid.get_data_parallel_id(), engine.gradient_accumulation_steps(), 99
+    )
+    eval_loss = float(engine.eval_batch(eval_data))
     rank = dist.get_rank()
     (out / run["name"]).mkdir(parents=True, exist_ok=True)
     torch.save(
@@ -55,6 +61,7 @@ def run_one(run: dict, pp: int, steps: int, out: Path) -> None:
             "pipeline": engine.grid.get_data_parallel_id(),
             "engine": type(engine).__name__,
             "losses": losses,
+            "eval_loss": eval_loss,
             "grad_norms": norms,
             "initial": initial,
             "params": {k: v.detach().clone() for k, v in engine.module.state_dict().items()},
