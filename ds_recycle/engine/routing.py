@@ -30,9 +30,11 @@ _META_LEN = 64
 
 
 def message_tag(kind: int, home: int = 0, mb: int = 0) -> int:
-    if not (0 <= home < 256 and 0 <= mb < 65536):
-        raise ValueError(f"message tag: home={home} must be in [0, 256) and mb={mb} in [0, 65536)")
-    return (kind << 24) | (home << 16) | mb
+    """A non-negative 31-bit tag (torch passes tags as a C int): 3 bits of kind, 12 of home
+    pipeline, 16 of micro-batch."""
+    if not (0 < kind < 8 and 0 <= home < 4096 and 0 <= mb < 65536):
+        raise ValueError(f"message tag: kind={kind}, home={home} and mb={mb} must be in (0, 8), [0, 4096), [0, 65536)")
+    return (kind << 28) | (home << 16) | mb
 
 
 @dataclass
