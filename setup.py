@@ -19,6 +19,6 @@ setup(
         "wandb",
         "matplotlib",
     ],
-    extras_require={"test": ["pytest", "hypothesis", "ruff"], "highs": ["mip[highs]"]},
+    extras_require={"test": ["pytest", "hypothesis", "ruff", "mip[highs]"], "highs": ["mip[highs]"]},
     entry_points={"console_scripts": ["ds-recycle=ds_recycle.cli:main"]},
 )

@@ -41,7 +41,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import mip
 
@@ -83,18 +83,7 @@ class MilpStats:
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {
-            "solver_name": self.solver_name,
-            "status": self.status,
-            "binaries": self.binaries,
-            "constraints": self.constraints,
-            "order_window": self.order_window,
-            "warm_start_time": self.warm_start_time,
-            "objective_bound": self.objective_bound,
-            "improved": self.improved,
-            "build_seconds": self.build_seconds,
-            "notes": list(self.notes),
-        }
+        return asdict(self)
 
 
 @functools.lru_cache(maxsize=1)

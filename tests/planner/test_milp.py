@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import mip
 import pytest
 
 from ds_recycle.planner.heuristic import plan_heuristic
@@ -60,12 +61,25 @@ def test_milp_plans_are_valid_and_never_worse_than_the_heuristic(seed: int) -> N
     assert {w for w in plan.workers} == {(p, s) for p in range(D) for s in range(P)} - set(failed)
 
 
-def test_milp_improves_a_poor_warm_start_and_reports_its_gap() -> None:
+def _solvers() -> list:
+    """CBC always; HiGHS when the mip[highs] extra (highspy) is installed, as the test extra does."""
+    solvers = [mip.CBC]
+    try:
+        mip.Model(solver_name=mip.HIGHS)
+        solvers.append(mip.HIGHS)
+    except Exception:
+        pass
+    return solvers
+
+
+@pytest.mark.parametrize("solver", _solvers())
+def test_milp_improves_a_poor_warm_start_and_reports_its_gap(solver: str) -> None:
     D, P, m, failed = 3, 4, 4, [(0, 1)]
     costs = CostModel.uniform(P)
     warm = _unbalanced_warm_start(D, P, m, failed, costs, P)
-    plan = plan_milp(D, P, m, failed, costs, time_limit=6.0, warm_start=warm)
+    plan = plan_milp(D, P, m, failed, costs, time_limit=6.0, warm_start=warm, solver_name=solver)
     validate(plan)
+    assert plan.extra["milp"]["solver_name"] == solver
     assert plan.iteration_time < warm.iteration_time
     assert plan.extra["milp"]["improved"] is True
     assert plan.extra["milp"]["warm_start_time"] == warm.iteration_time
