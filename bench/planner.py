@@ -27,7 +27,7 @@ from ds_recycle.planner.cache import PlanCache
 from ds_recycle.planner.heuristic import plan_heuristic
 from ds_recycle.planner.list_scheduler import ScheduleOptions
 from ds_recycle.planner.lower_bound import lower_bound
-from ds_recycle.planner.milp import plan_milp
+from ds_recycle.planner.milp import available_solver, plan_milp
 from ds_recycle.planner.plan import CostModel, Plan, Worker
 from ds_recycle.planner.validator import validate
 from ds_recycle.sim.simulator import simulate
@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("== summary ==")
     print(
-        f"cases: {len(rows)}; MILP run on {len(milp_rows)} (time limit {args.time_limit:g} s), improved {len(improved)}"
+        f"cases: {len(rows)}; MILP run on {len(milp_rows)} ({available_solver()}, time limit {args.time_limit:g} s), "
+        f"improved {len(improved)}"
     )
     print(
         f"best of heuristic and MILP: geometric mean ratio {geomean(best):.4f}, worst {max(best):.4f} "
