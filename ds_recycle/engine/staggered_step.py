@@ -73,7 +73,7 @@ class StageStepper:
         module = self.engine.module
         tied, index = [], 0
         for key, comm in sorted(module.tied_comms.items()):
-            stages = sorted(self.engine.grid._topo.get_coord(r).pipe for r in comm["ranks"])
+            stages = sorted(self.engine.grid.topology().get_coord(r).pipe for r in comm["ranks"])
             for attr in comm["weight_attr"]:
                 param = module._recursive_getattr(module.tied_modules[key], attr)
                 tied.append(TiedWeight(index, param, stages[0], stages))
