@@ -9,6 +9,7 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import survivable_failures
 
 from ds_recycle.planner.cache import PlanCache, canonical_failure_sets
 from ds_recycle.planner.fault_free import fault_free_plan
@@ -37,14 +38,7 @@ def cases(draw):
     D = draw(st.integers(2, 4))
     P = draw(st.integers(1, 5))
     m = draw(st.integers(1, 8))
-    workers = [(p, s) for p in range(D) for s in range(P)]
-    failed = draw(st.lists(st.sampled_from(workers), max_size=D + 1, unique=True))
-    per_stage: dict[int, int] = {}
-    kept = []
-    for p, s in failed:
-        if per_stage.get(s, 0) + 1 < D:
-            per_stage[s] = per_stage.get(s, 0) + 1
-            kept.append((p, s))
+    kept = draw(survivable_failures(D, P, max_size=D + 1))
     unit = draw(st.booleans())
     if unit:
         costs = CostModel.uniform(P)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import survivable_failures
 
 from ds_recycle.instructions import RecvActivation, RecvGrad, SendActivation
 from ds_recycle.planner.fault_free import fault_free_plan
@@ -31,13 +32,7 @@ def failure_cases(draw):
     D = draw(st.integers(2, 4))
     P = draw(st.integers(1, 5))
     m = draw(st.integers(1, 6))
-    workers = [(p, s) for p in range(D) for s in range(P)]
-    failed = draw(st.lists(st.sampled_from(workers), max_size=D, unique=True))
-    per_stage = {}
-    for _p, s in failed:
-        per_stage[s] = per_stage.get(s, 0) + 1
-    failed = [w for w in failed if per_stage[w[1]] < D]
-    return D, P, m, failed
+    return D, P, m, draw(survivable_failures(D, P, max_size=D))
 
 
 @settings(max_examples=25, deadline=None)
