@@ -1,13 +1,49 @@
 """ds_recycle: ReCycle for DeepSpeed pipelines.
 
 ``ds_recycle.initialize`` takes the arguments of ``deepspeed.initialize`` and returns the same
-tuple. For a ``PipelineModule`` the engine is a :class:`RecyclePipelineEngine`.
+tuple. For a ``PipelineModule`` the engine is a :class:`RecyclePipelineEngine`. Call
+``ds_recycle.init_distributed()`` where a script would call ``deepspeed.init_distributed()``: under
+``ds-recycle launch`` it joins the coordinator (and lets a respawned process re-join).
+
+The engine, ``initialize`` and ``init_distributed`` are imported on first use, so that
+``import ds_recycle.cli`` or ``ds_recycle.planner`` does not import DeepSpeed (seconds).
 """
 
 from __future__ import annotations
 
-from ds_recycle.config import RecycleConfig, RecycleConfigError
-from ds_recycle.engine import RecyclePipelineEngine
-from ds_recycle.initialize import initialize
+import sys
+import types
+from importlib import import_module
+from typing import Any
 
-__all__ = ["RecycleConfig", "RecycleConfigError", "RecyclePipelineEngine", "initialize"]
+from ds_recycle.config import RecycleConfig, RecycleConfigError
+
+_LAZY = {
+    "RecyclePipelineEngine": "ds_recycle.engine",
+    "initialize": "ds_recycle.initialize",
+    "init_distributed": "ds_recycle.runtime.distributed",
+}
+
+__all__ = ["RecycleConfig", "RecycleConfigError", "RecyclePipelineEngine", "init_distributed", "initialize"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ds_recycle' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+class _Package(types.ModuleType):
+    """Importing the submodule ``ds_recycle.initialize`` binds it as an attribute of the package;
+    keep ``ds_recycle.initialize`` the function, as it was when the package imported it eagerly."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "initialize" and isinstance(value, types.ModuleType):
+            value = value.initialize
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

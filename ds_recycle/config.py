@@ -44,6 +44,8 @@ class RecycleConfig:
     decoupled_backprop: bool = True
     staggered_optimizer: bool = True
     emulate_timing: TimingEmulation | None = None
+    join_timeout: float = 600.0
+    """Seconds a respawned process waits to be admitted into the running job."""
 
     @classmethod
     def from_ds_config(cls, ds_config: Mapping[str, Any]) -> RecycleConfig:
@@ -68,7 +70,11 @@ class RecycleConfig:
             name: _boolean(section, name, default=(name == "enabled") or getattr(cls, name))
             for name in ("enabled", "decoupled_backprop", "staggered_optimizer")
         }
-        return cls(**values, emulate_timing=_timing(section.get("emulate_timing")))
+        return cls(
+            **values,
+            emulate_timing=_timing(section.get("emulate_timing")),
+            join_timeout=_seconds(section, "join_timeout", cls.join_timeout),
+        )
 
 
 def _boolean(section: Mapping[str, Any], name: str, default: bool) -> bool:
@@ -76,6 +82,13 @@ def _boolean(section: Mapping[str, Any], name: str, default: bool) -> bool:
     if not isinstance(value, bool):
         raise RecycleConfigError(f"{SECTION}.{name} must be true or false, got {value!r}")
     return value
+
+
+def _seconds(section: Mapping[str, Any], name: str, default: float) -> float:
+    value = section.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86_400:
+        raise RecycleConfigError(f"{SECTION}.{name} must be a number of seconds in (0, 86400], got {value!r}")
+    return float(value)
 
 
 def _timing(value: Any) -> TimingEmulation | None:

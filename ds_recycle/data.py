@@ -7,11 +7,13 @@ iterator that DeepSpeed's ``train_batch(data_iter)`` consumes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.utils.data import DistributedSampler, default_collate
 
 SHIPPED_CORPUS = Path(__file__).with_name("corpus.txt")
 
@@ -55,6 +57,41 @@ class TokenWindowProvider:
         starts = torch.randint(0, self.tokens.numel() - self.seq_len - 1, (self.micro_batch_size,), generator=gen)
         windows = torch.stack([self.tokens[s : s + self.seq_len + 1] for s in starts.tolist()])
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+
+@dataclass
+class DatasetMicroBatches:
+    """Micro-batch ``(home, mb)`` of iteration ``i`` from a map-style dataset: exactly the batch that
+    stock DeepSpeed's pipeline loader gives pipeline ``home`` at that point (a ``DistributedSampler``
+    over D replicas without shuffling, batches of ``micro_batch_size``, repeated epoch after epoch).
+    Any worker can load any pipeline's micro-batch, so a failure changes no sample."""
+
+    dataset: object
+    pipelines: int
+    micro_batches: int
+    micro_batch_size: int
+    collate_fn: Callable | None = None
+    drop_last: bool = False
+    _indices: dict[int, list[int]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        for home in range(self.pipelines):
+            sampler = DistributedSampler(self.dataset, num_replicas=self.pipelines, rank=home, shuffle=False)
+            self._indices[home] = list(sampler)
+        per_pipeline = len(self._indices[0])
+        self.batches_per_epoch = (
+            per_pipeline // self.micro_batch_size if self.drop_last else math.ceil(per_pipeline / self.micro_batch_size)
+        )
+        if self.batches_per_epoch == 0:
+            raise ValueError(
+                f"training_data has {len(self.dataset)} samples: fewer than one micro-batch of {self.micro_batch_size} "
+                f"for each of {self.pipelines} pipelines"
+            )
+
+    def __call__(self, iteration: int, home: int, mb: int):
+        batch = (iteration * self.micro_batches + mb) % self.batches_per_epoch
+        indices = self._indices[home][batch * self.micro_batch_size : (batch + 1) * self.micro_batch_size]
+        return (self.collate_fn or default_collate)([self.dataset[i] for i in indices])
 
 
 def pipeline_iterator(provider, home: int, microbatches: int, start_iteration: int = 0) -> Iterator:

@@ -11,7 +11,9 @@ from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 
 from ds_recycle.config import RecycleConfig, RecycleConfigError
+from ds_recycle.data import DatasetMicroBatches
 from ds_recycle.engine import RecyclePipelineEngine
+from ds_recycle.runtime.distributed import membership_agent
 
 
 def initialize(
@@ -30,7 +32,16 @@ def initialize(
 ):
     """Same signature and return value as ``deepspeed.initialize``: ``(engine, optimizer,
     training_dataloader, lr_scheduler)``. The ``recycle`` section is validated first, before any
-    process group or engine is created."""
+    process group or engine is created.
+
+    ``training_data`` is a map-style dataset (as for DeepSpeed: micro-batch (h, k) of iteration i is
+    what DeepSpeed's loader would give pipeline h) or, with ReCycle, a provider: a callable
+    ``(iteration, home, mb) -> batch`` or an object with such a ``get`` method. Either lets any
+    worker load any pipeline's micro-batches, which a first- or last-stage failure needs.
+
+    Under ``ds-recycle launch``, a respawned process returns from here already caught up: it was
+    admitted at an iteration boundary and holds a live replica's state, ``engine.global_steps``
+    included."""
     config = _resolve_config(args, config if config is not None else config_params)
     recycle = RecycleConfig.from_ds_config(config)
     if not isinstance(model, PipelineModule):
@@ -54,6 +65,21 @@ def initialize(
         )
     if mpu is not None:
         raise ValueError("mpu must be None with pipeline parallelism: the PipelineModule provides its grid")
+    provider = None
+    if recycle.enabled and training_data is not None and not _is_map_style(training_data):
+        provider = getattr(training_data, "get", training_data)
+        if not callable(provider):
+            raise TypeError(
+                f"training_data must be a map-style torch Dataset or a provider (iteration, home, mb) -> batch, "
+                f"got {type(training_data).__name__}"
+            )
+        training_data = None
+    agent = membership_agent()
+    if agent is not None and not recycle.enabled:
+        raise RecycleConfigError(
+            "this process was started by ds-recycle launch, which needs recycle.enabled: true in the DeepSpeed "
+            "config (or use the deepspeed launcher for a run without ReCycle)"
+        )
 
     dist.init_distributed(
         dist_backend=get_accelerator().communication_backend_name(),
@@ -76,9 +102,28 @@ def initialize(
         config=config,
         config_class=config_class,
         recycle_config=recycle,
+        micro_batch_source=provider,
     )
     engine._configure_python_gc()
+    if recycle.enabled and training_data is not None:
+        engine.micro_batch_source = DatasetMicroBatches(
+            training_data,
+            pipelines=model._topo.get_dim("data"),
+            micro_batches=engine.gradient_accumulation_steps(),
+            micro_batch_size=engine.train_micro_batch_size_per_gpu(),
+            collate_fn=collate_fn,
+            drop_last=engine.dataloader_drop_last(),
+        )
+    if agent is not None:
+        if agent.is_joiner:
+            engine.join()
+        else:
+            engine.start_membership()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _is_map_style(data) -> bool:
+    return hasattr(data, "__getitem__") and hasattr(data, "__len__")
 
 
 def _resolve_config(args, config):

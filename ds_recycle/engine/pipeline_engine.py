@@ -1,23 +1,30 @@
 """RecyclePipelineEngine: DeepSpeed's PipelineEngine running ReCycle's planned schedules.
 
 Each ``train_batch`` runs this worker's instruction stream, lowered from the plan for the current
-failure set (the fault-free plan for now): routed transfers, BackwardInput with BackwardWeight
-deferred into bubbles, and a StaggeredStep. The instructions run through this class's own
-instruction map. Without a ``recycle`` section, or with ``enabled: false``, it is DeepSpeed's
-engine, running DeepSpeed's schedule.
+failure set: routed transfers, BackwardInput with BackwardWeight deferred into bubbles, and a
+StaggeredStep. The instructions run through this class's own instruction map. Without a
+``recycle`` section, or with ``enabled: false``, it is DeepSpeed's engine, running DeepSpeed's
+schedule.
+
+Membership (under ``ds-recycle launch``): at the end of every iteration the members take one shared
+decision (:class:`~ds_recycle.runtime.membership.MembershipAgent`). When workers left or joined,
+every member enters the new epoch: a fresh world and grid (:mod:`ds_recycle.runtime.groups`), the
+joiners' state copied from a live replica (:mod:`ds_recycle.runtime.rejoin`), and the plan of the
+new failure set from the plan cache, lowered to this worker's stream.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import time
 from types import MethodType
 
 import torch
 import torch.utils.checkpoint
-from deepspeed.runtime.pipe import schedule
+from deepspeed.runtime.pipe import p2p, schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
-from deepspeed.utils import logger
+from deepspeed.utils import groups, logger
 
 from ds_recycle.config import RecycleConfig, RecycleConfigError
 from ds_recycle.engine.backward_split import backward_input, backward_weight
@@ -35,9 +42,16 @@ from ds_recycle.instructions import (
     SendGrad,
     StaggeredStep,
 )
+from ds_recycle.planner.cache import PlanCache
 from ds_recycle.planner.fault_free import fault_free_plan
 from ds_recycle.planner.list_scheduler import ScheduleOptions
 from ds_recycle.planner.lowering import WorkerStream, lower
+from ds_recycle.planner.plan import FORWARD, CostModel, Plan
+from ds_recycle.runtime import rejoin
+from ds_recycle.runtime.distributed import GROUP_TIMEOUT_SECONDS, membership_agent
+from ds_recycle.runtime.events import IterationStats, MembershipChange, Monitor, PlanSummary
+from ds_recycle.runtime.groups import RecycleGrid, rebuild_world
+from ds_recycle.runtime.protocol import FAILED, JOIN, LEAVE, Decision, Membership
 
 _EXTRA_BUFFERS = ("losses", "grads", "input_grads", "weight_work")
 
@@ -57,8 +71,12 @@ class PlannedSchedule(schedule.PipeSchedule):
             yield [instruction]
 
 
+class RecycleDataError(RuntimeError):
+    """A plan needs micro-batches of another pipeline and the data came from an iterator."""
+
+
 class RecyclePipelineEngine(PipelineEngine):
-    def __init__(self, *args, recycle_config: RecycleConfig | None = None, **kwargs):
+    def __init__(self, *args, recycle_config: RecycleConfig | None = None, micro_batch_source=None, **kwargs):
         self.recycle = recycle_config or RecycleConfig()
         super().__init__(*args, **kwargs)
         self.instruction_events: list[InstructionEvent] = []
@@ -67,17 +85,163 @@ class RecyclePipelineEngine(PipelineEngine):
         self._check_supported()
         for key in _EXTRA_BUFFERS:
             self.pipe_buffers[key] = [None] * self.num_pipe_buffers
-        self.worker = (self.grid.get_data_parallel_id(), self.stage_id)
-        self.channel = PeerChannel(self.grid, self.device)
-        self.stepper = StageStepper(self, self.channel, synchronous=not self.recycle.staggered_optimizer)
+        self.slot = self.global_rank
+        self.micro_batch_source = micro_batch_source
+        """``(iteration, home, mb) -> batch``, or None when data comes from ``train_batch(data_iter)``."""
+        self.forward_ledger: list[tuple[int, int, int, int]] | None = None
+        """Set to a list to record (iteration, home, mb, stage) of every F this worker runs."""
+        self.monitors: list[Monitor] = []
+        self.membership_changes: list[MembershipChange] = []
+        self.agent = membership_agent()
+        self.plan_cache = PlanCache()
+        self.plan: Plan | None = None
         self._trainable = [p for p in self.module.parameters() if p.requires_grad]
-        self._stream_cache: dict[tuple, WorkerStream] = {}
+        self._stream_cache: dict[tuple, tuple[Plan, WorkerStream]] = {}
         self._own_loss: torch.Tensor | None = None
+        self._fault_free_time: float | None = None
+        everyone = Membership(0, tuple(range(self.module._topo.world_size())), 0)
+        self._install_grid(RecycleGrid.build(self.module._topo, everyone, self.slot, GROUP_TIMEOUT_SECONDS))
         logger.info(
             f"ReCycle engine on worker (pipeline {self.worker[0]}, stage {self.worker[1]}): "
             f"decoupled_backprop={self.recycle.decoupled_backprop} "
-            f"staggered_optimizer={self.recycle.staggered_optimizer}"
+            f"staggered_optimizer={self.recycle.staggered_optimizer} "
+            f"membership={'ds-recycle launch' if self.agent else 'static (no coordinator)'}"
         )
+
+    # ---- membership ---------------------------------------------------------------------------
+
+    @property
+    def worker(self) -> tuple[int, int]:
+        return self.grid.worker
+
+    def is_lowest_live_rank(self) -> bool:
+        """True on the one process that logs, saves and feeds the monitors in this epoch."""
+        if not self.recycle.enabled:
+            return self.global_rank == 0
+        return self.slot == min(self.grid.membership.members)
+
+    def _install_grid(self, grid: RecycleGrid) -> None:
+        """Point every handle the engine uses at this epoch's grid."""
+        self.grid = self.mpu = grid
+        self.data_parallel_group = grid.get_data_parallel_group()
+        groups.mpu = grid
+        p2p._grid = grid
+        self.channel = PeerChannel(grid, self.device)
+        self.stepper = StageStepper(self, self.channel, synchronous=not self.recycle.staggered_optimizer)
+        self.plan = self._current_plan_and_stream()[0]
+
+    def join(self) -> None:
+        """In a respawned process: wait to be admitted, enter the world, copy the state of a live replica."""
+        began = time.time()
+        membership = self.agent.wait_for_admission(timeout=self.recycle.join_timeout)
+        previous = Membership.from_json(self.agent.store.get(f"epoch/{membership.epoch - 1}"))
+        self._enter_epoch(membership, previous.members)
+        self.agent.start_heartbeat()
+        self.agent.install_leave_handler()
+        logger.info(
+            f"ReCycle: slot {self.slot} re-joined as worker {self.worker} in epoch {membership.epoch} at "
+            f"iteration {self.global_steps} ({time.time() - began:.2f} s from its request)"
+        )
+
+    def start_membership(self) -> None:
+        """In a first-start process under ds-recycle launch: heartbeat and SIGTERM-means-leave."""
+        self.agent.start_heartbeat()
+        self.agent.install_leave_handler()
+        if self.micro_batch_source is None:
+            logger.warning(
+                "ReCycle: data comes from train_batch(data_iter), so only a worker's own pipeline can load its "
+                "micro-batches. Losing a first- or last-stage worker then stops training cleanly at that "
+                "boundary. Pass training_data= (a map-style dataset or an (iteration, home, mb) provider) to "
+                "ds_recycle.initialize to survive it."
+            )
+
+    def _enter_epoch(self, membership: Membership, previous_members: tuple[int, ...]) -> None:
+        rebuild_world(self.agent.store, membership, self.slot, GROUP_TIMEOUT_SECONDS)
+        grid = RecycleGrid.build(self.module._topo, membership, self.slot, GROUP_TIMEOUT_SECONDS)
+        self._install_grid(grid)
+        rejoin.transfer_state(self, grid, previous_members)
+
+    def _at_boundary(self) -> None:
+        decision = self.agent.decide(self.global_steps)
+        if decision.next is None:
+            return
+        began = time.time()
+        if self.slot not in decision.next.members:
+            logger.info(
+                f"ReCycle: slot {self.slot} (worker {self.worker}) left the job at iteration {self.global_steps}"
+            )
+            self.agent.stop()
+            raise SystemExit(0)
+        fault_free_before = self._fault_free_iteration_time()
+        previous = self.grid.membership.members
+        self._enter_epoch(decision.next, previous)
+        self._check_data_available()
+        self._report_change(decision, previous, time.time() - began, fault_free_before)
+
+    def _report_change(self, decision: Decision, previous, switch_seconds: float, fault_free: float) -> None:
+        grid = self.grid
+        workers = {
+            kind: tuple(grid.worker_of(c.slot) for c in decision.changes if c.kind == kind)
+            for kind in (LEAVE, FAILED, JOIN)
+        }
+        oldest = min((c.time for c in decision.changes), default=time.time())
+        summary = self._plan_summary(fault_free)
+        change = MembershipChange(
+            epoch=grid.membership.epoch,
+            iteration=self.global_steps,
+            left=workers[LEAVE],
+            failed=workers[FAILED],
+            joined=workers[JOIN],
+            detection_seconds=max(0.0, time.time() - switch_seconds - oldest),
+            rebuild_seconds=switch_seconds,
+            plan=summary,
+            time=time.time(),
+        )
+        self.membership_changes.append(change)
+        logger.info(
+            f"ReCycle epoch {change.epoch} from iteration {change.iteration}: left {list(change.left)} "
+            f"failed {list(change.failed)} joined {list(change.joined)}; plan {summary.plan_id} predicts "
+            f"{summary.predicted_iteration_time:.1f} ({summary.ratio_to_fault_free:.3f}x fault-free, "
+            f"{summary.ratio_to_lower_bound:.3f}x lower bound), {summary.rerouted_microbatches} rerouted F; "
+            f"decided {change.detection_seconds * 1e3:.0f} ms after the request, switch {switch_seconds * 1e3:.0f} ms"
+        )
+        if self.is_lowest_live_rank():
+            for monitor in self.monitors:
+                monitor.on_membership_change(change)
+
+    def _plan_summary(self, fault_free: float | None = None) -> PlanSummary:
+        plan = self.plan
+        key = repr((plan.pipelines, plan.stages, plan.microbatches, plan.failed, plan.costs.to_dict()))
+        rerouted = sum(
+            1 for worker, ops in plan.workers.items() for op in ops if op.kind == FORWARD and op.home != worker[0]
+        )
+        return PlanSummary(
+            plan_id=hashlib.sha1(key.encode()).hexdigest()[:10],
+            failed=tuple(plan.failed),
+            predicted_iteration_time=plan.iteration_time,
+            fault_free_iteration_time=fault_free or self._fault_free_iteration_time(),
+            lower_bound=plan.lower_bound or plan.iteration_time,
+            live_per_stage=tuple(len(self.grid.live_workers(s)) for s in range(self.num_stages)),
+            rerouted_microbatches=rerouted,
+        )
+
+    def _check_data_available(self) -> None:
+        if self.micro_batch_source is not None:
+            return
+        foreign = [
+            (worker, op.label())
+            for worker, ops in self.plan.workers.items()
+            for op in ops
+            if op.kind == FORWARD and op.stage in (0, self.num_stages - 1) and op.home != worker[0]
+        ]
+        if foreign:
+            worker, label = foreign[0]
+            raise RecycleDataError(
+                f"the plan for failure set {list(self.plan.failed)} has worker {worker} load {label} of another "
+                "pipeline, but data comes from train_batch(data_iter), which holds only its own pipeline's "
+                "micro-batches; pass training_data= to ds_recycle.initialize to survive first- or last-stage "
+                f"failures. Training stopped at iteration {self.global_steps}, before running it."
+            )
 
     def _check_supported(self) -> None:
         if self.is_pipe_partitioned or self.is_grad_partitioned:
@@ -102,20 +266,69 @@ class RecyclePipelineEngine(PipelineEngine):
 
     # ---- schedule ---------------------------------------------------------------------------
 
+    def train_batch(self, data_iter=None):
+        if not self.recycle.enabled:
+            return super().train_batch(data_iter)
+        began = time.time()
+        loss = super().train_batch(data_iter)
+        seconds = time.time() - began
+        if self.agent is not None:
+            self.agent.publish_iteration_seconds(seconds)
+            self._at_boundary()
+        if self.monitors and self.is_lowest_live_rank():
+            stats = IterationStats(
+                self.global_steps,
+                self.grid.membership.epoch,
+                float(loss),
+                seconds,
+                self.train_batch_size(),
+                self._plan_summary().plan_id,
+            )
+            for monitor in self.monitors:
+                monitor.on_iteration(stats)
+        return loss
+
+    def eval_batch(self, *args, **kwargs):
+        if self.recycle.enabled and self.grid.failed:
+            raise RuntimeError(
+                f"eval_batch runs DeepSpeed's own schedule, which needs every pipeline whole; workers "
+                f"{list(self.grid.failed)} are missing in epoch {self.grid.membership.epoch}"
+            )
+        return super().eval_batch(*args, **kwargs)
+
     def _train_schedule(self):
         if not self.recycle.enabled:
             return super()._train_schedule()
-        return PlannedSchedule(self._current_stream(), self.micro_batches, self.num_stages, self.stage_id)
+        return PlannedSchedule(self._current_plan_and_stream()[1], self.micro_batches, self.num_stages, self.stage_id)
 
-    def _current_stream(self) -> WorkerStream:
-        key = (self.dp_world_size, self.num_stages, self.micro_batches)
-        if key not in self._stream_cache:
-            options = ScheduleOptions(
-                decoupled=self.recycle.decoupled_backprop, staggered=self.recycle.staggered_optimizer
-            )
-            plan = fault_free_plan(self.grid.data_parallel_size, self.num_stages, self.micro_batches, options=options)
-            self._stream_cache[key] = lower(plan)[self.worker]
-        return self._stream_cache[key]
+    def _schedule_options(self) -> ScheduleOptions:
+        return ScheduleOptions(decoupled=self.recycle.decoupled_backprop, staggered=self.recycle.staggered_optimizer)
+
+    def _cost_model(self) -> CostModel:
+        timing = self.recycle.emulate_timing
+        if timing is None or timing.F + timing.B + timing.W == 0:
+            return CostModel.uniform(self.num_stages)
+        return CostModel.uniform(self.num_stages, timing.F, timing.B, timing.W)
+
+    def _current_plan_and_stream(self) -> tuple[Plan, WorkerStream]:
+        failed = self.grid.failed
+        if failed not in self._stream_cache:
+            D, P, m = self.grid.data_parallel_size, self.num_stages, self.micro_batches
+            if failed:
+                plan = self.plan_cache.get_or_plan(
+                    D, P, m, failed, costs=self._cost_model(), options=self._schedule_options()
+                )
+            else:
+                plan = fault_free_plan(D, P, m, costs=self._cost_model(), options=self._schedule_options())
+            self._stream_cache[failed] = (plan, lower(plan)[self.worker])
+        return self._stream_cache[failed]
+
+    def _fault_free_iteration_time(self) -> float:
+        if self._fault_free_time is None:
+            D, P, m = self.grid.data_parallel_size, self.num_stages, self.micro_batches
+            plan = fault_free_plan(D, P, m, costs=self._cost_model(), options=self._schedule_options())
+            self._fault_free_time = plan.iteration_time
+        return self._fault_free_time
 
     def _exec_schedule(self, pipe_schedule):
         self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
@@ -161,9 +374,17 @@ class RecyclePipelineEngine(PipelineEngine):
     # ---- instructions -----------------------------------------------------------------------
 
     def _exec_load(self, buffer_id: int, home: int, mb: int):
+        if self.micro_batch_source is not None:
+            iterator = self.data_iterator
+            self.data_iterator = iter((self.micro_batch_source(self.global_steps, home, mb),))
+            try:
+                PipelineEngine._exec_load_micro_batch(self, buffer_id)
+            finally:
+                self.data_iterator = iterator
+            return
         if home != self.worker[0]:
-            raise NotImplementedError(
-                f"loading micro-batch ({home},{mb}) of another pipeline needs a micro-batch provider"
+            raise RecycleDataError(
+                f"micro-batch ({home},{mb}) belongs to another pipeline and data comes from an iterator"
             )
         if mb != self._next_own_mb:
             raise RuntimeError(f"schedule loads micro-batch {mb} but the data iterator is at {self._next_own_mb}")
@@ -171,6 +392,8 @@ class RecyclePipelineEngine(PipelineEngine):
         PipelineEngine._exec_load_micro_batch(self, buffer_id)
 
     def _exec_forward(self, buffer_id: int, home: int, mb: int):
+        if self.forward_ledger is not None:
+            self.forward_ledger.append((self.global_steps, home, mb, self.stage_id))
         PipelineEngine._exec_forward_pass(self, buffer_id)
         if self.is_last_stage():
             self.pipe_buffers["losses"][buffer_id] = self.loss

@@ -20,9 +20,17 @@ each of them with a message that is sent early and received only when it is alre
 - **The loss**: the last stage averages it over its DP group and sends it to the other stages of
   its pipeline, which receive it when their iteration ends. No broadcast.
 
-With ``staggered_optimizer: false`` the step is synchronous instead, as in stock DeepSpeed: the
-partial norms are summed by an all-reduce over the pipeline before any stage steps (with or without
+With ``staggered_optimizer: false`` the step is synchronous instead, as in stock DeepSpeed: every
+stage waits for the partial norms of all the other stages before it steps (with or without
 clipping), so no stage steps before every stage has finished its backward.
+
+After a failure a pipeline may lack a stage. Every replica of a stage holds the same weights and,
+after the DP reduction, the same gradients, so the per-pipeline messages go to and come from the
+stage's *partner* for that pipeline (``RecycleGrid.partner``): the worker itself when it is live,
+else a live replica. Tied gradients are the exception: they are partial sums over the micro-batches
+a worker ran, so each live follower sends its own exactly once, to its pipeline's owner partner.
+Gradients are divided by D*m whoever computed them: DeepSpeed's reduction averages over the live
+replicas, and the step rescales by live/D.
 """
 
 from __future__ import annotations
@@ -32,7 +40,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from ds_recycle.engine.routing import GRAD_NORM, LOSS, TIED_GRADIENT, TIED_WEIGHT, PeerChannel
 
@@ -62,8 +69,9 @@ class StageStepper:
         self.engine = engine
         self.channel = channel
         self.synchronous = synchronous
-        self.pipeline = engine.grid.get_data_parallel_id()
-        self.stage = engine.stage_id
+        self.grid = engine.grid
+        self.worker = self.grid.worker
+        self.pipeline, self.stage = self.worker
         self.stages = engine.num_stages
         self.tied = self._tied_weights()
         self._pending: _PendingValidation | None = None
@@ -88,17 +96,21 @@ class StageStepper:
         engine = self.engine
         self._exchange_tied_gradients()
         engine._exec_reduce_grads()
-        followed = [t.param for t in self.tied if t.owner_stage != self.stage]
         params = [p for p in engine.module.parameters() if p.requires_grad]
+        live = len(self.grid.live_workers(self.stage))
+        if live != self.grid.data_parallel_size:
+            self._scale_grads(params, live / self.grid.data_parallel_size)
+        followed = [t.param for t in self.tied if t.owner_stage != self.stage]
         counted = [p for p in params if not any(p is f for f in followed)]
         if engine.is_last_stage():
             self._send_loss()
         if self.synchronous:
             # Stock DeepSpeed's cross-stage point: every stage waits here for the global norm.
-            total = torch.tensor([_sq_norm(counted)], dtype=torch.float64)
-            dist.all_reduce(total, group=engine.grid.get_pipe_parallel_group())
+            partial = _sq_norm(counted)
+            self._send_partial_norm(partial)
+            coef = self._clip_coef(self._total_sq_norm(partial))
             if self.clip > 0:
-                self._scale_grads(counted, self._clip_coef(total.item()))
+                self._scale_grads(counted, coef)
             self._optimizer_step(params, followed)
             return
         if self.clip <= 0:
@@ -111,11 +123,26 @@ class StageStepper:
             reduced_grads=[None if p.grad is None else p.grad.detach().clone() for p in params],
             partial_sq_norm=partial,
         )
+        self._send_partial_norm(partial)
+        self._optimizer_step(params, followed)
+
+    def _send_partial_norm(self, partial: float) -> None:
+        """To every live worker of another stage whose pipeline this worker stands in for."""
         norm_msg = torch.tensor([partial], dtype=torch.float64)
+        for pipeline in self.grid.served_by(self.worker):
+            for stage in range(self.stages):
+                if stage != self.stage and self.grid.is_live((pipeline, stage)):
+                    self.channel.send((norm_msg,), (pipeline, stage), GRAD_NORM, 0, self.stage)
+
+    def _total_sq_norm(self, own_partial: float) -> float:
+        """The global squared norm, summed in stage order from this pipeline's partners."""
+        partials = {self.stage: own_partial}
         for stage in range(self.stages):
             if stage != self.stage:
-                self.channel.send((norm_msg,), (self.pipeline, stage), GRAD_NORM, 0, self.stage)
-        self._optimizer_step(params, followed)
+                buf = torch.zeros(1, dtype=torch.float64)
+                self.channel.recv_into((buf,), self.grid.partner(self.pipeline, stage), GRAD_NORM, 0, stage)
+                partials[stage] = buf.item()
+        return sum(partials[s] for s in range(self.stages))
 
     def finish_iteration(self) -> None:
         """Validate the optimistic step, share tied weights, advance the LR schedule."""
@@ -132,17 +159,11 @@ class StageStepper:
 
     def receive_loss(self) -> torch.Tensor:
         loss = torch.zeros(2, dtype=torch.float32, device=self.engine.device)
-        self.channel.recv_into((loss,), (self.pipeline, self.stages - 1), LOSS)
+        self.channel.recv_into((loss,), self.grid.partner(self.pipeline, self.stages - 1), LOSS)
         return loss
 
     def _validate(self, pending: _PendingValidation) -> None:
-        partials = {self.stage: pending.partial_sq_norm}
-        for stage in range(self.stages):
-            if stage != self.stage:
-                buf = torch.zeros(1, dtype=torch.float64)
-                self.channel.recv_into((buf,), (self.pipeline, stage), GRAD_NORM, 0, stage)
-                partials[stage] = buf.item()
-        coef = self._clip_coef(sum(partials[s] for s in range(self.stages)))
+        coef = self._clip_coef(self._total_sq_norm(pending.partial_sq_norm))
         if coef >= 1.0:
             return
         engine = self.engine
@@ -173,35 +194,46 @@ class StageStepper:
         for p in params:
             p.grad = None
 
+    def _followers_of_mine(self, tied: TiedWeight) -> list[tuple[int, int]]:
+        """The live followers of ``tied`` whose owner partner is this worker."""
+        return [
+            (pipeline, stage)
+            for stage in tied.stages[1:]
+            for pipeline in range(self.grid.data_parallel_size)
+            if self.grid.is_live((pipeline, stage)) and self.grid.partner(pipeline, self.stage) == self.worker
+        ]
+
     def _exchange_tied_gradients(self) -> None:
         for tied in self.tied:
             if tied.owner_stage == self.stage:
-                for stage in tied.stages[1:]:
+                for follower in self._followers_of_mine(tied):
                     incoming = torch.empty_like(tied.param)
-                    self.channel.recv_into((incoming,), (self.pipeline, stage), TIED_GRADIENT, 0, tied.index)
+                    self.channel.recv_into((incoming,), follower, TIED_GRADIENT, 0, tied.index)
                     if tied.param.grad is None:
                         tied.param.grad = torch.zeros_like(tied.param)
                     tied.param.grad.add_(incoming)
             else:
                 # A copy: the DP all-reduce that follows rewrites .grad while the send may be in flight.
                 grad = tied.param.grad.clone() if tied.param.grad is not None else torch.zeros_like(tied.param)
-                self.channel.send((grad,), (self.pipeline, tied.owner_stage), TIED_GRADIENT, 0, tied.index)
+                owner = self.grid.partner(self.pipeline, tied.owner_stage)
+                self.channel.send((grad,), owner, TIED_GRADIENT, 0, tied.index)
 
     def _exchange_tied_weights(self) -> None:
         for tied in self.tied:
             if tied.owner_stage == self.stage:
-                for stage in tied.stages[1:]:
-                    self.channel.send((tied.param.detach(),), (self.pipeline, stage), TIED_WEIGHT, 0, tied.index)
+                for follower in self._followers_of_mine(tied):
+                    self.channel.send((tied.param.detach(),), follower, TIED_WEIGHT, 0, tied.index)
             else:
+                owner = self.grid.partner(self.pipeline, tied.owner_stage)
                 with torch.no_grad():
-                    self.channel.recv_into(
-                        (tied.param.data,), (self.pipeline, tied.owner_stage), TIED_WEIGHT, 0, tied.index
-                    )
+                    self.channel.recv_into((tied.param.data,), owner, TIED_WEIGHT, 0, tied.index)
 
     def _send_loss(self) -> None:
         losses = self.engine.aggregate_last_stage_loss()
-        for stage in range(self.stages - 1):
-            self.channel.send((losses,), (self.pipeline, stage), LOSS, 0, 0)
+        for pipeline in self.grid.served_by(self.worker):
+            for stage in range(self.stages - 1):
+                if self.grid.is_live((pipeline, stage)):
+                    self.channel.send((losses,), (pipeline, stage), LOSS, 0, 0)
 
 
 def _sq_norm(params) -> float:

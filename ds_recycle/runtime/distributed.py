@@ -1,0 +1,65 @@
+"""``init_distributed``: the process group a training script starts with.
+
+Under ``ds-recycle launch`` a first-start process joins epoch 0's gloo world on the coordinator
+store. A respawned process cannot join a running world at once: it builds its model and engine on a
+``fake`` world of the job's size (no peers needed), and ``ds_recycle.initialize`` then moves it into
+the real world at an iteration boundary. Under any other launcher this is
+``deepspeed.init_distributed``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import deepspeed
+import torch.distributed as dist
+from deepspeed.utils import logger
+
+from ds_recycle.runtime import protocol as proto
+from ds_recycle.runtime.membership import MembershipAgent
+
+GROUP_TIMEOUT_SECONDS = 120.0
+"""Every group's op timeout: a backstop only, failure detection does not wait for it."""
+
+_agent: MembershipAgent | None = None
+
+
+def init_distributed(dist_backend: str = "gloo", timeout: float = GROUP_TIMEOUT_SECONDS) -> None:
+    """Initialize torch.distributed for this process (see the module doc)."""
+    global _agent
+    if dist.is_initialized():
+        return
+    _agent = MembershipAgent.from_env()
+    if _agent is None:
+        deepspeed.init_distributed(dist_backend=dist_backend, timeout=datetime.timedelta(seconds=timeout))
+        return
+    if dist_backend != "gloo":
+        raise ValueError(f"ds-recycle launch runs on gloo (CPU); got dist_backend={dist_backend!r}")
+    world_size = int(os.environ["WORLD_SIZE"])
+    if _agent.is_joiner:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=_agent.slot, world_size=world_size)
+        logger.info(f"ReCycle: slot {_agent.slot} (incarnation {_agent.incarnation}) builds its engine to re-join")
+    else:
+        membership = _agent.current
+        if membership.epoch != 0 or len(membership.members) != world_size:
+            raise RuntimeError(
+                f"slot {_agent.slot} started as incarnation 0 but the job is at epoch {membership.epoch}; "
+                f"a process entering a running job must be started with {proto.ENV_INCARNATION} > 0 "
+                "(ds-recycle launch --respawn does this)"
+            )
+        dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore("epoch/0/world/", _agent.store),
+            rank=_agent.slot,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+    deepspeed.init_distributed(dist_backend=dist_backend, dist_init_required=False)
+
+
+def membership_agent() -> MembershipAgent | None:
+    """The agent made by :func:`init_distributed` under ``ds-recycle launch``, else None."""
+    return _agent

@@ -1,0 +1,193 @@
+"""ReCycle's grid: the live workers of one epoch, their torch ranks, and their process groups.
+
+DeepSpeed's ``PipelineParallelGrid`` needs ``world = P x D``; after a failure the world is smaller.
+:class:`RecycleGrid` keeps the logical topology (every worker is a slot of the original P x D
+grid), maps live slots to the ranks of the current world, and holds one data-parallel group per
+stage among its live workers, plus a pipe group for every pipeline that is whole. It answers the
+parts of DeepSpeed's grid API that the engine uses, so it replaces ``engine.grid`` and
+``engine.mpu`` in place.
+
+Every epoch gets a fresh world on its own store prefix (recipe B of pg-rebuild.md): the old
+default group is destroyed and its groups are kept in a graveyard, never reused and never
+released from a thread that might block on them.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from ds_recycle.runtime.protocol import Membership
+
+Worker = tuple[int, int]
+"""(pipeline, stage)"""
+
+_GRAVEYARD: list = []
+
+
+def rebuild_world(store, membership: Membership, slot: int, timeout: float) -> None:
+    """Leave the current world (if any) and join the world of ``membership`` on its own prefix."""
+    if dist.is_initialized():
+        _GRAVEYARD.extend(c10d._world.pg_map.keys())
+        dist.destroy_process_group()
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(f"epoch/{membership.epoch}/world/", store),
+        rank=membership.members.index(slot),
+        world_size=len(membership.members),
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+
+
+@dataclass
+class RecycleGrid:
+    """The grid of one epoch. Build it with :meth:`build` on every member, in the same epoch."""
+
+    topo: object
+    """DeepSpeed's ``PipeDataParallelTopology`` of the full job (axes ``pipe`` and ``data``)."""
+    membership: Membership
+    slot: int
+    timeout: float
+    stage_groups: dict[int, object] = field(default_factory=dict)
+    pipe_groups: dict[int, object] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, topo, membership: Membership, slot: int, timeout: float) -> RecycleGrid:
+        """Create this epoch's groups; every member calls it in the same order."""
+        grid = cls(topo, membership, slot, timeout)
+        td = datetime.timedelta(seconds=timeout)
+        for stage in range(grid.pipe_parallel_size):
+            ranks = [grid.rank_of(w) for w in grid.live_workers(stage)]
+            grid.stage_groups[stage] = dist.new_group(ranks, timeout=td)
+        for pipeline in range(grid.data_parallel_size):
+            stages = [(pipeline, s) for s in range(grid.pipe_parallel_size)]
+            if all(grid.is_live(w) for w in stages):
+                grid.pipe_groups[pipeline] = dist.new_group([grid.rank_of(w) for w in stages], timeout=td)
+        return grid
+
+    # ---- the logical topology ------------------------------------------------------------
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.topo.get_dim("data")
+
+    @property
+    def pipe_parallel_size(self) -> int:
+        return self.topo.get_dim("pipe")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return 1
+
+    def worker_of(self, slot: int) -> Worker:
+        coord = self.topo.get_coord(slot)
+        return (coord.data, coord.pipe)
+
+    def slot_of(self, worker: Worker) -> int:
+        return self.topo.get_rank(pipe=worker[1], data=worker[0])
+
+    @property
+    def worker(self) -> Worker:
+        return self.worker_of(self.slot)
+
+    @property
+    def failed(self) -> tuple[Worker, ...]:
+        live = set(self.membership.members)
+        return tuple(sorted(self.worker_of(s) for s in range(self.topo.world_size()) if s not in live))
+
+    def is_live(self, worker: Worker) -> bool:
+        return self.slot_of(worker) in self.membership.members
+
+    def live_workers(self, stage: int) -> list[Worker]:
+        return [(p, stage) for p in range(self.data_parallel_size) if self.is_live((p, stage))]
+
+    def rank_of(self, worker: Worker) -> int:
+        """The torch rank of a live worker in this epoch's world."""
+        slot = self.slot_of(worker)
+        if slot not in self.membership.members:
+            raise LookupError(f"worker {worker} (slot {slot}) is not a member of epoch {self.membership.epoch}")
+        return self.membership.members.index(slot)
+
+    def partner(self, pipeline: int, stage: int) -> Worker:
+        """The live worker of ``stage`` that stands in for pipeline ``pipeline`` in the per-pipeline
+        exchanges (loss, partial norms, tied weights): the worker itself when live, else the next
+        live pipeline at that stage, cyclically, which spreads the dead workers' partners."""
+        D = self.data_parallel_size
+        for step in range(D):
+            worker = ((pipeline + step) % D, stage)
+            if self.is_live(worker):
+                return worker
+        raise LookupError(f"stage {stage} has no live worker in epoch {self.membership.epoch}")
+
+    def served_by(self, worker: Worker) -> list[int]:
+        """The pipelines whose partner at ``worker``'s stage is ``worker``."""
+        return [q for q in range(self.data_parallel_size) if self.partner(q, worker[1]) == worker]
+
+    # ---- DeepSpeed's grid API -------------------------------------------------------------
+
+    @property
+    def data_parallel_id(self) -> int:
+        return self.worker[0]
+
+    def get_data_parallel_id(self) -> int:
+        return self.worker[0]
+
+    def get_stage_id(self) -> int:
+        return self.worker[1]
+
+    def get_global_rank(self) -> int:
+        return self.rank_of(self.worker)
+
+    def get_data_parallel_group(self):
+        return self.stage_groups[self.worker[1]]
+
+    def get_data_parallel_rank(self) -> int:
+        return self.worker[0]
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.data_parallel_size
+
+    def get_pipe_parallel_group(self):
+        pipeline = self.worker[0]
+        if pipeline not in self.pipe_groups:
+            raise RuntimeError(
+                f"pipeline {pipeline} is missing workers {[w for w in self.failed if w[0] == pipeline]} in epoch "
+                f"{self.membership.epoch}: it has no pipe group (only whole pipelines do)"
+            )
+        return self.pipe_groups[pipeline]
+
+    def get_pipe_parallel_rank(self) -> int:
+        return self.worker[1]
+
+    def get_pipe_parallel_world_size(self) -> int:
+        return self.pipe_parallel_size
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_slice_parallel_rank(self) -> int:
+        return 0
+
+    def get_slice_parallel_world_size(self) -> int:
+        return 1
+
+    @property
+    def pp_group(self) -> list[int]:
+        pipeline = self.worker[0]
+        return [self.rank_of((pipeline, s)) for s in range(self.pipe_parallel_size) if self.is_live((pipeline, s))]
+
+    @property
+    def dp_group(self) -> list[int]:
+        return [self.rank_of(w) for w in self.live_workers(self.worker[1])]
+
+    def stage_to_global(self, stage_id: int, data: int | None = None, **kwargs) -> int:
+        return self.rank_of((self.worker[0] if data is None else data, stage_id))
+
+    def topology(self):
+        return self.topo

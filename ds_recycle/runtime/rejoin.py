@@ -1,0 +1,96 @@
+"""State transfer to joiners: a live replica of the joiner's stage sends it everything that makes
+the two identical, in the new epoch's world, never from a checkpoint.
+
+What travels: the module's state dict (parameters and buffers), the optimizer state, the LR
+scheduler state and the engine's counters (``global_steps``, ``global_samples``, ``micro_steps``,
+``skipped_steps``). The data position is ``global_steps``: micro-batch data is keyed by iteration.
+
+Each (source, joiner) pair gets a two-rank group; every member creates the pairs' groups in the
+same order, whether or not it takes part in a transfer.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from ds_recycle.runtime.groups import RecycleGrid
+
+COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+
+
+def transfer_state(engine, grid: RecycleGrid, previous_members: tuple[int, ...]) -> None:
+    """Copy state from a live replica to every slot of ``grid`` that was not in ``previous_members``."""
+    joiners = [s for s in grid.membership.members if s not in previous_members]
+    for joiner in joiners:
+        stage = grid.worker_of(joiner)[1]
+        sources = [w for w in grid.live_workers(stage) if grid.slot_of(w) in previous_members]
+        if not sources:
+            raise RuntimeError(f"slot {joiner} joins stage {stage}, which has no live worker to copy its state from")
+        source = grid.slot_of(sources[0])
+        ranks = [grid.membership.members.index(source), grid.membership.members.index(joiner)]
+        group = dist.new_group(sorted(ranks), timeout=datetime.timedelta(seconds=grid.timeout))
+        if grid.slot in (source, joiner):
+            _copy(engine, group, src_rank=ranks[0], sending=grid.slot == source)
+
+
+def _copy(engine, group, src_rank: int, sending: bool) -> None:
+    optimizer = engine.optimizer
+    header = [None]
+    if sending:
+        header[0] = {
+            "counters": {name: getattr(engine, name) for name in COUNTERS},
+            "lr_scheduler": None if engine.lr_scheduler is None else engine.lr_scheduler.state_dict(),
+            "optimizer": _skeleton(optimizer.state_dict()),
+        }
+    dist.broadcast_object_list(header, src=src_rank, group=group)
+    header = header[0]
+
+    with torch.no_grad():
+        for tensor in engine.module.state_dict(keep_vars=True).values():
+            dist.broadcast(tensor.data, src=src_rank, group=group)
+
+    optimizer_state = optimizer.state_dict() if sending else _allocate(header["optimizer"])
+    for tensor in _tensors(optimizer_state):
+        dist.broadcast(tensor, src=src_rank, group=group)
+    if not sending:
+        optimizer.load_state_dict(optimizer_state)
+        if header["lr_scheduler"] is not None:
+            engine.lr_scheduler.load_state_dict(header["lr_scheduler"])
+        for name, value in header["counters"].items():
+            setattr(engine, name, value)
+
+
+def _skeleton(value):
+    """The structure of a state dict with every tensor replaced by its (shape, dtype)."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    if isinstance(value, dict):
+        return {k: _skeleton(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_skeleton(v) for v in value)
+    return value
+
+
+def _allocate(skeleton):
+    if isinstance(skeleton, tuple) and len(skeleton) == 3 and skeleton[0] == "tensor":
+        return torch.empty(skeleton[1], dtype=skeleton[2])
+    if isinstance(skeleton, dict):
+        return {k: _allocate(v) for k, v in skeleton.items()}
+    if isinstance(skeleton, (list, tuple)):
+        return type(skeleton)(_allocate(v) for v in skeleton)
+    return skeleton
+
+
+def _tensors(value):
+    """The tensors of a state dict in a deterministic order (dicts by sorted key)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for key in sorted(value, key=repr):
+            yield from _tensors(value[key])
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
