@@ -11,12 +11,13 @@ each of them with a message that is sent early and received only when it is alre
   the updated weight back. A follower installs it when its iteration ends: it could not run its
   next forward before the owner's stage had stepped anyway.
 - **Global-norm gradient clipping**, post-validated (as Zero Bubble does). Each stage steps at
-  once as if no clipping were needed, keeping its reduced gradients and a snapshot of its
-  parameters and optimizer state, and sends the squared norm of its gradients to the other stages
-  of its pipeline. When the iteration ends every stage has every partial norm (the first stage,
-  which finishes last, has sent its own), computes the true global norm in one fixed order, and,
-  only if clipping applies, restores the snapshot and steps again with the clipped gradients.
-  The cost is the snapshot, and a second step on iterations that clip.
+  once as if no clipping were needed, keeping its reduced gradients, and sends the squared norm of
+  its gradients to the other stages of its pipeline. When the iteration ends every stage has every
+  partial norm (the first stage, which finishes last, has sent its own), computes the true global
+  norm in one fixed order, and, only if clipping applies, undoes its step in place
+  (:mod:`ds_recycle.engine.undo`) and steps again with the clipped gradients. The cost is one copy
+  of the gradients, and an undo plus a second step on iterations that clip. An optimizer the undo
+  does not cover falls back to a snapshot of parameters and optimizer state.
 - **The loss**: the last stage averages it over its DP group and sends it to the other stages of
   its pipeline, which receive it when their iteration ends. No broadcast.
 
@@ -40,8 +41,10 @@ import math
 from dataclasses import dataclass
 
 import torch
+from deepspeed.utils import logger
 
 from ds_recycle.engine.routing import GRAD_NORM, LOSS, TIED_GRADIENT, TIED_WEIGHT, PeerChannel
+from ds_recycle.engine.undo import StepUndo, unsupported_reason
 
 CLIP_EPSILON = 1e-6  # the epsilon of DeepSpeed's and torch's clip_grad_norm_
 
@@ -56,10 +59,11 @@ class TiedWeight:
 
 @dataclass
 class _PendingValidation:
-    snapshot_params: list[torch.Tensor]
-    snapshot_optimizer: dict
     reduced_grads: list[torch.Tensor | None]
     partial_sq_norm: float
+    undo: StepUndo | None
+    snapshot: tuple[list[torch.Tensor], dict] | None = None
+    """Parameters and optimizer state, only for an optimizer the in-place undo does not cover."""
 
 
 class StageStepper:
@@ -75,6 +79,7 @@ class StageStepper:
         self.stages = engine.num_stages
         self.tied = self._tied_weights()
         self._pending: _PendingValidation | None = None
+        self._warned_snapshot = False
         self.last_grad_norm: float | None = None
 
     def _tied_weights(self) -> list[TiedWeight]:
@@ -117,12 +122,19 @@ class StageStepper:
             self._optimizer_step(params, followed)
             return
         partial = _sq_norm(counted)
-        self._pending = _PendingValidation(
-            snapshot_params=[p.detach().clone() for p in params],
-            snapshot_optimizer=copy.deepcopy(engine.optimizer.state_dict()),
-            reduced_grads=[None if p.grad is None else p.grad.detach().clone() for p in params],
-            partial_sq_norm=partial,
-        )
+        reduced = [None if p.grad is None else p.grad.detach().clone() for p in params]
+        counted_ids = {id(p) for p in counted}
+        stepped = {p: g for p, g in zip(params, reduced, strict=True) if g is not None and id(p) in counted_ids}
+        reason = unsupported_reason(engine.optimizer)
+        if reason is None:
+            pending = _PendingValidation(reduced, partial, StepUndo.before_step(engine.optimizer, stepped))
+        else:
+            if not self._warned_snapshot:
+                self._warned_snapshot = True
+                logger.warning(f"ReCycle: clipping post-validation keeps a snapshot of the state: {reason}")
+            snapshot = ([p.detach().clone() for p in params], copy.deepcopy(engine.optimizer.state_dict()))
+            pending = _PendingValidation(reduced, partial, None, snapshot)
+        self._pending = pending
         self._send_partial_norm(partial)
         self._optimizer_step(params, followed)
 
@@ -169,11 +181,16 @@ class StageStepper:
         engine = self.engine
         params = [p for p in engine.module.parameters() if p.requires_grad]
         followed = [t.param for t in self.tied if t.owner_stage != self.stage]
-        with torch.no_grad():
-            for p, saved, grad in zip(params, pending.snapshot_params, pending.reduced_grads, strict=True):
-                p.copy_(saved)
-                p.grad = None if grad is None else grad.mul_(coef)
-        engine.optimizer.load_state_dict(pending.snapshot_optimizer)
+        if pending.undo is not None:
+            pending.undo.undo()
+        else:
+            saved_params, saved_optimizer = pending.snapshot
+            with torch.no_grad():
+                for p, saved in zip(params, saved_params, strict=True):
+                    p.copy_(saved)
+            engine.optimizer.load_state_dict(saved_optimizer)
+        for p, grad in zip(params, pending.reduced_grads, strict=True):
+            p.grad = None if grad is None else grad.mul_(coef)
         self._optimizer_step(params, followed)
 
     def _clip_coef(self, total_sq_norm: float) -> float:
