@@ -19,6 +19,12 @@ setup(
         "wandb",
         "matplotlib",
     ],
-    extras_require={"test": ["pytest", "hypothesis", "ruff", "mip[highs]"], "highs": ["mip[highs]"]},
+    extras_require={
+        "test": ["pytest", "hypothesis", "ruff", "mip[highs]"],
+        "highs": ["mip[highs]"],
+        # HF Trainer integration (ds_recycle.integrations.hf): it overrides private Trainer hooks,
+        # so the range is the one tested.
+        "hf": ["transformers>=5.23,<6", "accelerate>=1.15,<2", "safetensors"],
+    },
     entry_points={"console_scripts": ["ds-recycle=ds_recycle.cli:main"]},
 )

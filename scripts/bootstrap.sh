@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create (or reuse) .venv and install ds_recycle with its test extras.
+# Create (or reuse) .venv and install ds_recycle with its test and hf extras.
 # torch==2.13.0 goes first: it is the CPU wheel here, and installing it first keeps the
 # `torch>=2.13` requirement of deepspeed and ds_recycle from pulling a CUDA build.
 set -euo pipefail
@@ -10,4 +10,4 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet torch==2.13.0
-.venv/bin/python -m pip install --quiet -e ".[test]"
+.venv/bin/python -m pip install --quiet -e ".[test,hf]"
