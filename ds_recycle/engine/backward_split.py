@@ -17,6 +17,14 @@ time when an intermediate is the output's own grad_fn (see research/deepspeed-in
 When no stage input requires grad (the first stage, whose input is data), there is no input
 gradient to compute early: B records the outputs and their gradients and W runs the whole
 backward.
+
+With a :class:`~ds_recycle.engine.weight_grad.WeightGradPath` (``path=``, what the engine
+installs on its module), B is one ``torch.autograd.backward`` that computes the input gradients
+and the gradients of every parameter except the Linear weights, whose GEMMs the Linears queue on
+the path's tape, and except the parameters of modules the path does not cover, which keep the
+graph split above. B then frees the graph unless such a module is present, and W runs the
+queued GEMMs. On the first stage, where no input needs a gradient, the uncovered parameters
+take their gradient in B too.
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ from torch.distributed.pipelining._backward import (
     get_param_groups,
 )
 
+from ds_recycle.engine.weight_grad import DeferredGemm, WeightGradPath, run_deferred_gemms
+
 
 @dataclass
 class WeightGradWork:
@@ -41,6 +51,18 @@ class WeightGradWork:
     param_groups: list[dict] = field(default_factory=list)
     deferred_outputs: list[torch.Tensor] = field(default_factory=list)
     deferred_grads: list[torch.Tensor] = field(default_factory=list)
+    gemms: list[DeferredGemm] = field(default_factory=list)
+    """Weight GEMMs queued by the Linears of a :class:`WeightGradPath`."""
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors this work keeps alive until W (for memory accounting)."""
+        held = [*self.deferred_outputs, *self.deferred_grads]
+        for gemm in self.gemms:
+            held += [gemm.inputs, gemm.grad_output]
+        for group in self.param_groups:
+            for node_grads in group.get("grads", ()):
+                held += [g for g in node_grads or () if g is not None]
+        return held
 
 
 def backward_input(
@@ -48,8 +70,11 @@ def backward_input(
     output_grads: Sequence[torch.Tensor] | None,
     inputs: Sequence[torch.Tensor],
     params: Sequence[torch.nn.Parameter],
+    *,
+    path: WeightGradPath | None = None,
 ) -> tuple[tuple[torch.Tensor | None, ...], WeightGradWork]:
-    """Gradients of ``inputs`` only. ``output_grads=None`` means ``outputs`` is the loss.
+    """Gradients of ``inputs`` only (with ``path``: and of the parameters W need not wait for).
+    ``output_grads=None`` means ``outputs`` is the loss.
 
     Returns the input gradients (None where an input needs none) and the work for W.
     """
@@ -58,19 +83,11 @@ def backward_input(
     if len(grads) != len(outputs):
         raise ValueError(f"backward_input: {len(outputs)} outputs need grads but {len(grads)} were given")
     wanted = [i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if path is not None:
+        return _backward_input_with_path(outputs, grads, inputs, wanted, params, path)
     if not wanted:
         return tuple(None for _ in inputs), WeightGradWork(deferred_outputs=outputs, deferred_grads=grads)
-
-    output_nodes = [n for n in map(_get_grad_fn_or_grad_acc, outputs) if n is not None]
-    input_nodes = [n for n in (_get_grad_fn_or_grad_acc(inputs[i]) for i in wanted) if n is not None]
-    weight_nodes = [n for n in (_get_grad_fn_or_grad_acc(p) for p in params if p.requires_grad) if n is not None]
-    param_groups = get_param_groups(input_nodes, weight_nodes, construct_reverse_graph(output_nodes))
-    handles = []
-    for group in param_groups:
-        group["intermediates"] = list(group["intermediates"])
-        group["grads"] = [None] * len(group["intermediates"])
-        for i, node in enumerate(group["intermediates"]):
-            handles.append(node.register_prehook(functools.partial(_capture, group["grads"], i)))
+    param_groups, handles = _split_points(outputs, [inputs[i] for i in wanted], params)
     try:
         found = torch.autograd.grad(outputs, [inputs[i] for i in wanted], grads, retain_graph=True, allow_unused=True)
     finally:
@@ -80,6 +97,47 @@ def backward_input(
     for i, grad in zip(wanted, found, strict=True):
         input_grads[i] = grad
     return tuple(input_grads), WeightGradWork(param_groups=param_groups)
+
+
+def _split_points(outputs, inputs, params) -> tuple[list[dict], list]:
+    """The graph split's parameter groups of ``params``, with hooks capturing the gradients
+    that reach their intermediate nodes."""
+    output_nodes = [n for n in map(_get_grad_fn_or_grad_acc, outputs) if n is not None]
+    input_nodes = [n for n in map(_get_grad_fn_or_grad_acc, inputs) if n is not None]
+    weight_nodes = [n for n in (_get_grad_fn_or_grad_acc(p) for p in params if p.requires_grad) if n is not None]
+    param_groups = get_param_groups(input_nodes, weight_nodes, construct_reverse_graph(output_nodes))
+    handles = []
+    for group in param_groups:
+        group["intermediates"] = list(group["intermediates"])
+        group["grads"] = [None] * len(group["intermediates"])
+        for i, node in enumerate(group["intermediates"]):
+            handles.append(node.register_prehook(functools.partial(_capture, group["grads"], i)))
+    return param_groups, handles
+
+
+def _backward_input_with_path(outputs, grads, inputs, wanted, params, path: WeightGradPath):
+    fallback_ids = path.fallback_params
+    fallback = [p for p in params if p.requires_grad and id(p) in fallback_ids] if wanted else []
+    in_b = [p for p in params if p.requires_grad and (not wanted or id(p) not in fallback_ids)]
+    targets = [inputs[i] for i in wanted]
+    param_groups, handles = _split_points(outputs, targets, fallback) if fallback else ([], [])
+    saved = [t.grad for t in targets]
+    for t in targets:
+        t.grad = None
+    tape: list[DeferredGemm] = []
+    path.tape = tape
+    try:
+        if targets or in_b:
+            torch.autograd.backward(outputs, grads, inputs=targets + in_b, retain_graph=bool(param_groups))
+    finally:
+        path.tape = None
+        for handle in handles:
+            handle.remove()
+    input_grads: list[torch.Tensor | None] = [None] * len(inputs)
+    for i, t, before in zip(wanted, targets, saved, strict=True):
+        input_grads[i] = t.grad
+        t.grad = before
+    return tuple(input_grads), WeightGradWork(param_groups=param_groups, gemms=tape)
 
 
 def _capture(store: list, index: int, grad_inputs):
@@ -106,6 +164,8 @@ def backward_weight(work: WeightGradWork) -> None:
         finally:
             for handle in handles:
                 handle.remove()
+    run_deferred_gemms(work.gemms)
+    work.gemms.clear()
     work.param_groups.clear()
     work.deferred_outputs.clear()
     work.deferred_grads.clear()

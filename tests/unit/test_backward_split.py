@@ -1,4 +1,6 @@
-"""BackwardInput + BackwardWeight give the gradients of a fused backward, bitwise."""
+"""BackwardInput + BackwardWeight give the gradients of a fused backward, bitwise: the generic
+graph split ("graph") and the W path that defers Linear weight GEMMs ("path"), in fp32 and under
+bf16 autocast."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import torch
 from torch import nn
 
 from ds_recycle.engine.backward_split import backward_input, backward_weight
+from ds_recycle.engine.weight_grad import install_weight_grad_path
 from ds_recycle.models.gpt import Block, CausalSelfAttention, PositionEmbedding, TokenEmbedding, lm_head, lm_loss
 
 
@@ -52,20 +55,39 @@ CASES = {
 }
 
 
+def _deferred_weights(module: nn.Module, path) -> set[int]:
+    return {id(linear.weight) for linear in path.linears} if path is not None else {id(p) for p in module.parameters()}
+
+
+def _autocast(enabled: bool):
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
+
+
+def _assert_same_grads(fused: nn.Module, split: nn.Module) -> None:
+    for (name, want), got in zip(fused.named_parameters(), split.parameters(), strict=True):
+        assert got.grad is not None, name
+        assert got.grad.dtype == want.grad.dtype, name
+        assert torch.equal(got.grad, want.grad), f"{name}: max diff {(got.grad - want.grad).abs().max():.3e}"
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("mode", ["graph", "path"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_split_equals_fused_backward(case):
+def test_split_equals_fused_backward(case, mode, bf16):
     make_module, make_input, with_loss = CASES[case]
     torch.manual_seed(0)
     fused = make_module()
     split = copy.deepcopy(fused)
+    path = install_weight_grad_path(split) if mode == "path" else None
     x = make_input()
     labels = torch.randint(0, 11, (2, 6))
 
     def run(module, inp):
-        out = module(inp)
+        with _autocast(bf16):
+            out = module(inp)
         if with_loss:
             return [lm_loss(out, labels)], None
-        return [out], [torch.randn_like(out, generator=torch.Generator().manual_seed(1))]
+        return [out], [torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)]
 
     x_fused = x.clone().requires_grad_(x.is_floating_point())
     outs, grads = run(fused, x_fused)
@@ -73,41 +95,52 @@ def test_split_equals_fused_backward(case):
 
     x_split = x.clone().requires_grad_(x.is_floating_point())
     outs, grads = run(split, x_split)
-    input_grads, work = backward_input(outs, grads, [x_split], list(split.parameters()))
+    input_grads, work = backward_input(outs, grads, [x_split], list(split.parameters()), path=path)
     if x.is_floating_point():
         assert torch.equal(input_grads[0], x_fused.grad)
+        assert x_split.grad is None, "B returns the input gradient; it leaves none behind"
     else:
         assert input_grads == (None,)
-    assert all(p.grad is None for p in split.parameters()), "BackwardInput must not produce weight grads"
+    deferred = _deferred_weights(split, path)
+    assert all(p.grad is None for p in split.parameters() if id(p) in deferred), "B must not produce W's grads"
+    if path is not None:
+        assert len(work.gemms) == len(path.linears)
     backward_weight(work)
-    for (name, want), got in zip(fused.named_parameters(), split.parameters(), strict=True):
-        assert got.grad is not None, name
-        assert torch.equal(got.grad, want.grad), f"{name}: max diff {(got.grad - want.grad).abs().max():.3e}"
+    _assert_same_grads(fused, split)
 
 
-def test_weight_grads_accumulate_over_microbatches_like_fused():
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("mode", ["graph", "path"])
+def test_weight_grads_accumulate_over_microbatches_like_fused(mode, bf16):
+    """All Bs first, then all Ws (as a deferred schedule runs them)."""
     torch.manual_seed(0)
     fused = Block(16, 4, 2)
     split = copy.deepcopy(fused)
+    path = install_weight_grad_path(split) if mode == "path" else None
     inputs = [torch.randn(2, 6, 16) for _ in range(3)]
     grads = [torch.randn(2, 6, 16) for _ in range(3)]
     for x, g in zip(inputs, grads, strict=True):
-        fused(x.clone().requires_grad_()).backward(g)
+        with _autocast(bf16):
+            out = fused(x.clone().requires_grad_())
+        out.backward(g.to(out.dtype))
     works = []
     for x, g in zip(inputs, grads, strict=True):
         xi = x.clone().requires_grad_()
-        works.append(backward_input([split(xi)], [g], [xi], list(split.parameters()))[1])
+        with _autocast(bf16):
+            out = split(xi)
+        works.append(backward_input([out], [g.to(out.dtype)], [xi], list(split.parameters()), path=path)[1])
     for work in works:
         backward_weight(work)
-    for want, got in zip(fused.parameters(), split.parameters(), strict=True):
-        assert torch.equal(got.grad, want.grad)
+    _assert_same_grads(fused, split)
 
 
-def test_output_hook_runs_once_per_microbatch():
+@pytest.mark.parametrize("mode", ["graph", "path"])
+def test_output_hook_runs_once_per_microbatch(mode):
     """DeepSpeed scales the last stage's output gradient with a tensor hook; W must not rerun it."""
     torch.manual_seed(0)
     fused = TiedHead()
     split = copy.deepcopy(fused)
+    path = install_weight_grad_path(split) if mode == "path" else None
     x = torch.randn(2, 6, 16)
     labels = torch.randint(0, 11, (2, 6))
 
@@ -118,6 +151,108 @@ def test_output_hook_runs_once_per_microbatch():
 
     forward(fused, x.clone().requires_grad_()).backward()
     xi = x.clone().requires_grad_()
-    backward_weight(backward_input([forward(split, xi)], None, [xi], list(split.parameters()))[1])
-    for want, got in zip(fused.parameters(), split.parameters(), strict=True):
-        assert torch.equal(got.grad, want.grad)
+    backward_weight(backward_input([forward(split, xi)], None, [xi], list(split.parameters()), path=path)[1])
+    _assert_same_grads(fused, split)
+
+
+class MiddleWithCustomParam(nn.Module):
+    """A middle stage with a module the W path does not cover (a 2-D parameter outside a Linear)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = PositionEmbedding(6, 16)
+        self.block = Block(16, 4, 2)
+
+    def forward(self, x):
+        return self.block(self.pos(x))
+
+
+class ReusedLinear(nn.Module):
+    """One Linear called twice, one called on a non-contiguous input (which runs plain
+    ``F.linear``, its weight gradient in B), and two Linears sharing a weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.strided = nn.Linear(16, 16)
+        self.tied = nn.Linear(16, 16)
+        self.other = nn.Linear(16, 16)
+        self.other.weight = self.tied.weight
+
+    def forward(self, x):
+        y = self.lin(self.lin(x).relu())
+        y = y + self.strided(y.transpose(0, 1)).transpose(0, 1)
+        return self.other(self.tied(y))
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("make_module", [MiddleWithCustomParam, ReusedLinear])
+def test_path_falls_back_where_it_does_not_cover(make_module, bf16):
+    torch.manual_seed(0)
+    fused = make_module()
+    split = copy.deepcopy(fused)
+    path = install_weight_grad_path(split)
+    if make_module is MiddleWithCustomParam:
+        assert list(path.fallback) == ["pos"] and "generic graph split for: pos" in path.describe()
+    else:
+        assert path.tied_linears == ["tied", "other"] and [id(m) for m in path.linears] == [
+            id(split.lin),
+            id(split.strided),
+        ]
+    x, g = torch.randn(2, 6, 16), torch.randn(2, 6, 16)
+    for module, mode in ((fused, None), (split, path)):
+        for _ in range(2):
+            xi = x.clone().requires_grad_()
+            with _autocast(bf16):
+                out = module(xi)
+            if mode is None:
+                out.backward(g.to(out.dtype))
+                continue
+            input_grads, work = backward_input([out], [g.to(out.dtype)], [xi], list(module.parameters()), path=mode)
+            backward_weight(work)
+    _assert_same_grads(fused, split)
+
+
+def test_first_stage_path_runs_b_then_only_gemms():
+    torch.manual_seed(0)
+    fused = FirstStage()
+    split = copy.deepcopy(fused)
+    path = install_weight_grad_path(split)
+    tokens = torch.randint(0, 11, (2, 6))
+    g = torch.randn(2, 6, 16)
+    fused(tokens).backward(g)
+    _, work = backward_input([split(tokens)], [g], [tokens], list(split.parameters()), path=path)
+    assert not work.param_groups and not work.deferred_outputs and len(work.gemms) == 4
+    assert split.pos.weight.grad is not None, "on the first stage uncovered parameters take their grad in B"
+    backward_weight(work)
+    _assert_same_grads(fused, split)
+
+
+def test_plain_backward_through_the_path_is_a_fused_backward():
+    torch.manual_seed(0)
+    fused = Block(16, 4, 2)
+    split = copy.deepcopy(fused)
+    path = install_weight_grad_path(split)
+    x = torch.randn(2, 6, 16)
+    fused(x).sum().backward()
+    split(x).sum().backward()
+    _assert_same_grads(fused, split)
+    path.uninstall()
+    assert all("forward" not in m.__dict__ for m in split.modules())
+
+
+def test_path_with_activation_checkpointing():
+    """torch's non-reentrant checkpoint (what the engine uses) recomputes what the path saved."""
+    torch.manual_seed(0)
+    fused = Block(16, 4, 2)
+    split = copy.deepcopy(fused)
+    path = install_weight_grad_path(split)
+    x, g = torch.randn(2, 6, 16), torch.randn(2, 6, 16)
+    xf = x.clone().requires_grad_()
+    torch.utils.checkpoint.checkpoint(fused, xf, use_reentrant=False).backward(g)
+    xs = x.clone().requires_grad_()
+    out = torch.utils.checkpoint.checkpoint(split, xs, use_reentrant=False)
+    input_grads, work = backward_input([out], [g], [xs], list(split.parameters()), path=path)
+    assert torch.equal(input_grads[0], xf.grad)
+    backward_weight(work)
+    _assert_same_grads(fused, split)

@@ -1,0 +1,205 @@
+"""The cheap W path: Linear layers queue their weight GEMMs for BackwardWeight.
+
+:func:`install_weight_grad_path` gives every plain ``nn.Linear`` of one module (a stage's
+``PipelineModule``) a per-instance ``forward`` that runs through :class:`_DeferredLinear`. Its
+backward computes the input gradient (and the bias gradient, a row sum) at once and, while a
+BackwardInput is running, records only what the weight gradient needs: the layer input and the
+output gradient. BackwardWeight then runs one GEMM per record and accumulates weight and bias
+gradients. Outside BackwardInput (a plain ``loss.backward()``) the function returns the weight
+gradient at once, as ``nn.Linear`` does. The class ``nn.Linear`` is never touched;
+:meth:`WeightGradPath.uninstall` removes the instance attributes.
+
+Numerics. The formulas are autograd's own for ``F.linear`` on a contiguous input: ``addmm`` on the
+input flattened to 2-D, input gradient ``g @ W``, weight gradient ``g.t() @ x``, bias gradient
+``g`` summed over rows. Under torch autocast the function casts input, weight and bias to the
+autocast dtype as autocast does and computes in that dtype; W sums the calls of one Linear within
+a micro-batch in that dtype before the cast to the parameter's dtype, as autocast's cached weight
+and bias casts make a fused backward do. So the gradients are bitwise those of a fused backward
+on CPU (tests/unit/test_backward_split.py). Calls the formulas do not cover (a non-contiguous or
+1-D input, a dtype mismatch) run plain ``F.linear``, and their weight gradient comes in B
+through autograd; a Linear called both ways in one micro-batch gets correct gradients, summed
+in another order than a fused backward.
+
+Every other parameter takes its gradient in B (the engine passes them all as ``inputs=`` to one
+``torch.autograd.backward``), except parameters of modules the path does not cover: a parameter
+with two or more dimensions that belongs to neither a Linear, an embedding nor a normalization
+layer. Those keep the generic graph split of :mod:`ds_recycle.engine.backward_split`, and
+:meth:`WeightGradPath.describe` names their modules. A Linear whose weight or bias is shared
+with another module (a tied weight) is left as it is, so the tied parameter's gradient keeps
+the accumulation order of a fused backward.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_SMALL_MODULES: tuple[type[nn.Module], ...] = (
+    nn.Embedding,
+    nn.EmbeddingBag,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.RMSNorm,
+    nn.modules.batchnorm._NormBase,
+)
+_AUTOCAST_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass
+class DeferredGemm:
+    """One Linear call's parameter gradients, waiting for W."""
+
+    weight: nn.Parameter
+    inputs: torch.Tensor
+    """The layer input flattened to 2-D, in the compute dtype."""
+    grad_output: torch.Tensor
+    """The output gradient flattened to 2-D, in the compute dtype: W runs ``grad_output.t() @ inputs``."""
+    bias: nn.Parameter | None = None
+    grad_bias: torch.Tensor | None = None
+    """Computed in B (a row sum), accumulated in W with the weight's."""
+
+
+@dataclass
+class WeightGradPath:
+    """The W path installed on one module: which parameters take which route."""
+
+    linears: list[nn.Linear] = field(default_factory=list)
+    """Linears whose weight GEMM is deferred to W."""
+    fallback: dict[str, list[nn.Parameter]] = field(default_factory=dict)
+    """Module name -> its parameters that keep the generic graph split."""
+    tied_linears: list[str] = field(default_factory=list)
+    """Linears left alone because their weight is shared with another module."""
+    tape: list[DeferredGemm] | None = None
+    """Set by BackwardInput while it runs: where the Linears record their deferred GEMMs."""
+
+    @functools.cached_property
+    def fallback_params(self) -> frozenset[int]:
+        return frozenset(id(p) for params in self.fallback.values() for p in params)
+
+    def describe(self) -> str:
+        parts = [f"{len(self.linears)} Linear layers defer their weight GEMM to W"]
+        if self.tied_linears:
+            parts.append(f"tied Linears keep a fused weight gradient: {', '.join(self.tied_linears)}")
+        if self.fallback:
+            parts.append(f"generic graph split for: {', '.join(self.fallback)}")
+        else:
+            parts.append("no module needs the generic graph split")
+        return "; ".join(parts)
+
+    def uninstall(self) -> None:
+        for linear in self.linears:
+            linear.__dict__.pop("forward", None)
+        self.linears.clear()
+
+
+def install_weight_grad_path(module: nn.Module) -> WeightGradPath:
+    """Route ``module``'s Linears through :class:`_DeferredLinear` (per instance) and classify
+    the other parameters. Idempotent per Linear: a Linear already routed is skipped."""
+    path = WeightGradPath()
+    owners: dict[int, list[str]] = {}
+    for name, sub in module.named_modules(remove_duplicate=False):
+        for p in sub.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(name)
+    seen: set[int] = set()
+    for name, sub in module.named_modules():
+        direct = [p for p in sub.parameters(recurse=False) if p.requires_grad and id(p) not in seen]
+        seen.update(id(p) for p in direct)
+        if _is_plain_linear(sub):
+            shared = [p for p in (sub.weight, sub.bias) if p is not None and len(set(owners[id(p)])) > 1]
+            if shared:
+                path.tied_linears.append(name or type(sub).__name__)
+            elif "forward" not in sub.__dict__:
+                sub.forward = functools.partial(_linear_forward, sub, path)
+                path.linears.append(sub)
+            continue
+        if isinstance(sub, _SMALL_MODULES):
+            continue
+        big = [p for p in direct if p.dim() >= 2]
+        if big:
+            path.fallback[name or type(sub).__name__] = big
+    return path
+
+
+def _is_plain_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+
+
+def _linear_forward(module: nn.Linear, path: WeightGradPath, x: torch.Tensor) -> torch.Tensor:
+    weight, bias = module.weight, module.bias
+    if not (torch.is_grad_enabled() and weight.requires_grad and _covered_input(x)):
+        return F.linear(x, weight, bias)
+    device = x.device.type
+    dtype = None
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        if x.dtype not in _AUTOCAST_INPUT_DTYPES or weight.dtype not in _AUTOCAST_INPUT_DTYPES:
+            return F.linear(x, weight, bias)
+    elif x.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+        return F.linear(x, weight, bias)
+    return _DeferredLinear.apply(x, weight, bias, path, dtype)
+
+
+def _covered_input(x: torch.Tensor) -> bool:
+    # A (rows, 1) input has ambiguous strides, for which autograd picks another formula.
+    return x.dim() >= 2 and x.layout == torch.strided and x.is_contiguous() and x.shape[-1] > 1
+
+
+class _DeferredLinear(torch.autograd.Function):
+    """``F.linear`` whose backward leaves the weight GEMM to W while a tape is active."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, path: WeightGradPath, dtype: torch.dtype | None):
+        param, bias_param = weight, bias
+        if dtype is not None:
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
+        ctx.save_for_backward(x, weight)
+        ctx.path = path
+        ctx.param = param
+        ctx.bias = bias_param
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_input = rows.mm(weight).view(x.shape) if ctx.needs_input_grad[0] else None
+        grad_bias = rows.sum(0) if ctx.needs_input_grad[2] else None
+        tape = ctx.path.tape
+        if tape is None or not ctx.needs_input_grad[1]:
+            grad_weight = rows.t().mm(x.view(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+            return grad_input, grad_weight, grad_bias, None, None
+        # Bias gradients go with the weight's: several calls of one Linear under autocast sum
+        # them in the compute dtype (autocast caches one cast of the bias per forward).
+        tape.append(DeferredGemm(ctx.param, x.view(-1, x.shape[-1]), rows, ctx.bias, grad_bias))
+        return grad_input, None, None, None, None
+
+
+def run_deferred_gemms(gemms: Iterable[DeferredGemm]) -> None:
+    """W: accumulate the queued weight gradients into ``param.grad``, as AccumulateGrad would.
+
+    Several calls of one weight in a micro-batch are summed in the compute dtype, in the order
+    their gradients arrived, before the cast to the parameter's dtype."""
+    per_param: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
+
+    def add(param: nn.Parameter, grad: torch.Tensor) -> None:
+        key = id(param)
+        per_param[key] = (param, per_param[key][1] + grad) if key in per_param else (param, grad)
+
+    for gemm in gemms:
+        add(gemm.weight, gemm.grad_output.t().mm(gemm.inputs))
+        if gemm.grad_bias is not None:
+            add(gemm.bias, gemm.grad_bias)
+    with torch.no_grad():
+        for param, grad in per_param.values():
+            if grad.dtype != param.dtype:
+                grad = grad.to(param.dtype)
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad += grad
