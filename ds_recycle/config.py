@@ -46,6 +46,8 @@ class RecycleConfig:
     emulate_timing: TimingEmulation | None = None
     join_timeout: float = 600.0
     """Seconds a respawned process waits to be admitted into the running job."""
+    detect_timeout: float = 30.0
+    """Seconds a worker that saw a comm error waits for the launcher to name the failed worker."""
 
     @classmethod
     def from_ds_config(cls, ds_config: Mapping[str, Any]) -> RecycleConfig:
@@ -74,6 +76,7 @@ class RecycleConfig:
             **values,
             emulate_timing=_timing(section.get("emulate_timing")),
             join_timeout=_seconds(section, "join_timeout", cls.join_timeout),
+            detect_timeout=_seconds(section, "detect_timeout", cls.detect_timeout),
         )
 
 

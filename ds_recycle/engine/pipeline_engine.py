@@ -27,10 +27,12 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.utils import groups, logger
 
 from ds_recycle.config import RecycleConfig, RecycleConfigError
+from ds_recycle.engine import autocast_p2p
 from ds_recycle.engine.backward_split import backward_input, backward_weight
 from ds_recycle.engine.routing import ACTIVATION, GRADIENT, PeerChannel
 from ds_recycle.engine.staggered_step import StageStepper
 from ds_recycle.engine.timing import InstructionEvent, event_of, pad_to
+from ds_recycle.engine.weight_grad import install_weight_grad_path
 from ds_recycle.instructions import (
     BackwardInput,
     BackwardWeight,
@@ -51,9 +53,13 @@ from ds_recycle.runtime import rejoin
 from ds_recycle.runtime.distributed import GROUP_TIMEOUT_SECONDS, membership_agent
 from ds_recycle.runtime.events import IterationStats, MembershipChange, Monitor, PlanSummary
 from ds_recycle.runtime.groups import RecycleGrid, rebuild_world
+from ds_recycle.runtime.membership import EpochSuperseded, Progress, connect
 from ds_recycle.runtime.protocol import FAILED, JOIN, LEAVE, Decision, Membership
+from ds_recycle.runtime.waiting import FailureWatcher, PeerFailure, Waiter
 
 _EXTRA_BUFFERS = ("losses", "grads", "input_grads", "weight_work")
+TRAIN_BATCH_TIMER = "train_batch"
+MAX_RECOVERY_ROUNDS = 8
 
 
 class PlannedSchedule(schedule.PipeSchedule):
@@ -69,6 +75,10 @@ class PlannedSchedule(schedule.PipeSchedule):
     def steps(self):
         for instruction in self.stream.instructions:
             yield [instruction]
+
+
+class StageLostError(RuntimeError):
+    """Every worker of a stage is gone: there is no replica left to re-route to."""
 
 
 class RecycleDataError(RuntimeError):
@@ -96,9 +106,16 @@ class RecyclePipelineEngine(PipelineEngine):
         self.plan_cache = PlanCache()
         self.plan: Plan | None = None
         self._trainable = [p for p in self.module.parameters() if p.requires_grad]
+        self._weight_path = install_weight_grad_path(self.module)
+        self._wire = autocast_p2p.wire_dtype(self)
+        logger.info(f"ReCycle W path on stage {self.stage_id}: {self._weight_path.describe()}")
         self._stream_cache: dict[tuple, tuple[Plan, WorkerStream]] = {}
         self._own_loss: torch.Tensor | None = None
         self._fault_free_time: float | None = None
+        self.watcher: FailureWatcher | None = None
+        self._loaded: dict[int, list] = {}
+        """Own-pipeline micro-batches read from the data iterator, by iteration (the last two)."""
+        self.waiter = Waiter()
         everyone = Membership(0, tuple(range(self.module._topo.world_size())), 0)
         self._install_grid(RecycleGrid.build(self.module._topo, everyone, self.slot, GROUP_TIMEOUT_SECONDS))
         logger.info(
@@ -126,17 +143,24 @@ class RecyclePipelineEngine(PipelineEngine):
         self.data_parallel_group = grid.get_data_parallel_group()
         groups.mpu = grid
         p2p._grid = grid
-        self.channel = PeerChannel(grid, self.device)
+        self.channel = PeerChannel(grid, self.device, self.waiter)
         self.stepper = StageStepper(self, self.channel, synchronous=not self.recycle.staggered_optimizer)
         self.plan = self._current_plan_and_stream()[0]
 
     def join(self) -> None:
         """In a respawned process: wait to be admitted, enter the world, copy the state of a live replica."""
         began = time.time()
-        membership = self.agent.wait_for_admission(timeout=self.recycle.join_timeout)
-        previous = Membership.from_json(self.agent.store.get(f"epoch/{membership.epoch - 1}"))
-        self._enter_epoch(membership, previous.members)
         self.agent.start_heartbeat()
+        while True:
+            membership = self.agent.wait_for_admission(timeout=self.recycle.join_timeout)
+            previous = Membership.from_json(self.agent.store.get(f"epoch/{membership.epoch - 1}"))
+            try:
+                self._enter_epoch(membership, previous.members)
+                break
+            except EpochSuperseded:
+                # A failure among the members while this process waited: join the epoch they formed.
+                continue
+        self._start_watcher()
         self.agent.install_leave_handler()
         logger.info(
             f"ReCycle: slot {self.slot} re-joined as worker {self.worker} in epoch {membership.epoch} at "
@@ -144,8 +168,9 @@ class RecyclePipelineEngine(PipelineEngine):
         )
 
     def start_membership(self) -> None:
-        """In a first-start process under ds-recycle launch: heartbeat and SIGTERM-means-leave."""
+        """In a first-start process under ds-recycle launch: heartbeat, failure watcher, SIGTERM-means-leave."""
         self.agent.start_heartbeat()
+        self._start_watcher()
         self.agent.install_leave_handler()
         if self.micro_batch_source is None:
             logger.warning(
@@ -155,13 +180,19 @@ class RecyclePipelineEngine(PipelineEngine):
                 "ds_recycle.initialize to survive it."
             )
 
+    def _start_watcher(self) -> None:
+        self.watcher = FailureWatcher(connect(self.agent.address, self.agent.generation)).start()
+        self.waiter.failed = self.watcher.flag
+
     def _enter_epoch(self, membership: Membership, previous_members: tuple[int, ...]) -> None:
+        self.agent.enter(membership, None if self.watcher is None else self.watcher.flag, GROUP_TIMEOUT_SECONDS)
         rebuild_world(self.agent.store, membership, self.slot, GROUP_TIMEOUT_SECONDS)
         grid = RecycleGrid.build(self.module._topo, membership, self.slot, GROUP_TIMEOUT_SECONDS)
         self._install_grid(grid)
         rejoin.transfer_state(self, grid, previous_members)
 
     def _at_boundary(self) -> None:
+        self.waiter.check("the iteration boundary")
         decision = self.agent.decide(self.global_steps)
         if decision.next is None:
             return
@@ -175,10 +206,98 @@ class RecyclePipelineEngine(PipelineEngine):
         fault_free_before = self._fault_free_iteration_time()
         previous = self.grid.membership.members
         self._enter_epoch(decision.next, previous)
+        self._check_survivable()
         self._check_data_available()
         self._report_change(decision, previous, time.time() - began, fault_free_before)
 
-    def _report_change(self, decision: Decision, previous, switch_seconds: float, fault_free: float) -> None:
+    # ---- recovery from an unplanned failure ----------------------------------------------------
+
+    def _recover(self, failure: PeerFailure) -> None:
+        """Make the interrupted iteration consistent and continue on the plan without the dead.
+
+        The survivors agree on one decision (``MembershipAgent.recover``): the new membership and
+        the iteration they all restart from, the least any of them finished. A survivor that has
+        finished that iteration, or stepped it, undoes its step in place; then everyone enters the
+        new epoch and runs the iteration again on the new plan, so no sample is lost or counted twice.
+        """
+        detected = self.watcher.raised_at or time.time()
+        logger.info(f"ReCycle: slot {self.slot} stopped by a failure at iteration {self.global_steps}: {failure}")
+        for _ in range(MAX_RECOVERY_ROUNDS):
+            running = self.grid.membership.members
+            seen = self.watcher.current_alerts()
+            progress = Progress(self.global_steps, self.stepper.stepped_inflight)
+            decision = self.agent.recover(progress, running, self.recycle.detect_timeout, GROUP_TIMEOUT_SECONDS)
+            self.watcher.acknowledge(seen)
+            began = time.time()
+            rolled_back = self._roll_back_to(decision.iteration)
+            if self.slot not in decision.next.members:
+                logger.info(f"ReCycle: slot {self.slot} left the job during recovery at iteration {self.global_steps}")
+                raise SystemExit(0)
+            fault_free_before = self._fault_free_iteration_time()
+            try:
+                self._enter_epoch(decision.next, running)
+                self._check_survivable()
+                self.stepper.resync_tied_weights()
+            except (PeerFailure, EpochSuperseded) as again:
+                logger.info(f"ReCycle: slot {self.slot}: another failure during recovery ({again}); deciding again")
+                continue
+            self._check_data_available()
+            self._report_change(
+                decision, running, time.time() - began, fault_free_before, detected=detected, rolled_back=rolled_back
+            )
+            return
+        raise RuntimeError(f"ReCycle: no consistent epoch after {MAX_RECOVERY_ROUNDS} recovery rounds")
+
+    def _roll_back_to(self, iteration: int) -> bool:
+        """Undo this worker's steps back to the state before ``iteration``; drop the partial iteration."""
+        rolled_back = False
+        if self.global_steps == iteration + 1:
+            self.stepper.rollback_finished()
+            rolled_back = True
+        elif self.global_steps != iteration:
+            raise RuntimeError(
+                f"slot {self.slot} finished {self.global_steps} iterations but the survivors restart from "
+                f"{iteration}: a survivor can be at most one iteration ahead"
+            )
+        if self.stepper.stepped_inflight:
+            self.stepper.rollback_inflight()
+            rolled_back = True
+        if self.forward_ledger is not None:
+            self.forward_ledger[:] = [entry for entry in self.forward_ledger if entry[0] < iteration]
+        self._drop_partial_iteration()
+        return rolled_back
+
+    def _drop_partial_iteration(self) -> None:
+        for p in self.module.parameters():
+            p.grad = None
+        for key in self.pipe_buffers:
+            self.pipe_buffers[key] = [None] * len(self.pipe_buffers[key])
+        self.total_loss = None
+        self._own_loss = None
+        timer = self.timers(TRAIN_BATCH_TIMER)
+        if timer.started_:
+            timer.stop()
+        timer.reset()
+        self.stepper._pending = None
+
+    def _check_survivable(self) -> None:
+        empty = [s for s in range(self.num_stages) if not self.grid.live_workers(s)]
+        if empty:
+            raise StageLostError(
+                f"stage {empty[0]} has no live worker left in epoch {self.grid.membership.epoch}: training cannot "
+                f"continue in place. Last finished iteration: {self.global_steps}. No checkpoint is configured "
+                "(recycle.checkpoint), so the job stops here."
+            )
+
+    def _report_change(
+        self,
+        decision: Decision,
+        previous,
+        switch_seconds: float,
+        fault_free: float,
+        detected: float | None = None,
+        rolled_back: bool = False,
+    ) -> None:
         grid = self.grid
         workers = {
             kind: tuple(grid.worker_of(c.slot) for c in decision.changes if c.kind == kind)
@@ -186,16 +305,19 @@ class RecyclePipelineEngine(PipelineEngine):
         }
         oldest = min((c.time for c in decision.changes), default=time.time())
         summary = self._plan_summary(fault_free)
+        now = time.time()
         change = MembershipChange(
             epoch=grid.membership.epoch,
             iteration=self.global_steps,
             left=workers[LEAVE],
             failed=workers[FAILED],
             joined=workers[JOIN],
-            detection_seconds=max(0.0, time.time() - switch_seconds - oldest),
+            detection_seconds=max(0.0, (detected or now - switch_seconds) - oldest),
             rebuild_seconds=switch_seconds,
+            recovery_seconds=None if detected is None else now - oldest,
+            rolled_back=rolled_back,
             plan=summary,
-            time=time.time(),
+            time=now,
         )
         self.membership_changes.append(change)
         logger.info(
@@ -203,7 +325,13 @@ class RecyclePipelineEngine(PipelineEngine):
             f"failed {list(change.failed)} joined {list(change.joined)}; plan {summary.plan_id} predicts "
             f"{summary.predicted_iteration_time:.1f} ({summary.ratio_to_fault_free:.3f}x fault-free, "
             f"{summary.ratio_to_lower_bound:.3f}x lower bound), {summary.rerouted_microbatches} rerouted F; "
-            f"decided {change.detection_seconds * 1e3:.0f} ms after the request, switch {switch_seconds * 1e3:.0f} ms"
+            f"detected/decided after {change.detection_seconds * 1e3:.0f} ms, switch {switch_seconds * 1e3:.0f} ms"
+            + (
+                ""
+                if change.recovery_seconds is None
+                else f", recovered {change.recovery_seconds * 1e3:.0f} ms after the failure"
+            )
+            + (", in-flight iteration rolled back" if rolled_back else "")
         )
         if self.is_lowest_live_rank():
             for monitor in self.monitors:
@@ -270,11 +398,18 @@ class RecyclePipelineEngine(PipelineEngine):
         if not self.recycle.enabled:
             return super().train_batch(data_iter)
         began = time.time()
-        loss = super().train_batch(data_iter)
+        while True:
+            try:
+                loss = super().train_batch(data_iter)
+                if self.agent is not None:
+                    self.agent.publish_iteration_seconds(time.time() - began)
+                    self._at_boundary()
+                break
+            except PeerFailure as failure:
+                if self.agent is None:
+                    raise
+                self._recover(failure)
         seconds = time.time() - began
-        if self.agent is not None:
-            self.agent.publish_iteration_seconds(seconds)
-            self._at_boundary()
         if self.monitors and self.is_lowest_live_rank():
             stats = IterationStats(
                 self.global_steps,
@@ -334,7 +469,6 @@ class RecyclePipelineEngine(PipelineEngine):
         self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
         self.fwd_outputs = []
         self.instruction_events = []
-        self._next_own_mb = 0
         emulation = self.recycle.emulate_timing
         for step_cmds in pipe_schedule:
             for cmd in step_cmds:
@@ -350,6 +484,36 @@ class RecyclePipelineEngine(PipelineEngine):
             self.stepper.finish_iteration()
             self.instruction_events.append(InstructionEvent("FinishIteration", -1, -1, started, time.time()))
 
+    def allreduce_bucket(self, bucket, dp_group, dp_world_size=None):
+        """DeepSpeed's data-parallel gradient reduction, with the same arithmetic, waited for
+        failure-aware (DeepSpeed's blocking all-reduce would hang on a dead peer)."""
+        if not self.recycle.enabled:
+            return super().allreduce_bucket(bucket, dp_group, dp_world_size)
+        tensor = self.flatten(bucket)
+        reduced = tensor if self.communication_data_type == tensor.dtype else tensor.to(self.communication_data_type)
+        size = dp_world_size or torch.distributed.get_world_size(group=dp_group)
+
+        def all_reduce():
+            self.waiter.collective(
+                lambda: torch.distributed.all_reduce(reduced, group=dp_group, async_op=True),
+                f"the data-parallel all-reduce of stage {self.stage_id}",
+            )
+
+        if not self.gradient_average:
+            all_reduce()
+        elif self.postscale_gradients():
+            if self.gradient_predivide_factor() != 1.0:
+                reduced.mul_(1.0 / self.gradient_predivide_factor())
+            all_reduce()
+            if self.gradient_predivide_factor() != size:
+                reduced.mul_(self.gradient_predivide_factor() / size)
+        else:
+            reduced.mul_(1.0 / size)
+            all_reduce()
+        if reduced is not tensor:
+            tensor.copy_(reduced)
+        return tensor
+
     # ---- loss -------------------------------------------------------------------------------
 
     def aggregate_last_stage_loss(self) -> torch.Tensor:
@@ -358,7 +522,10 @@ class RecyclePipelineEngine(PipelineEngine):
         self.dp_group_loss = loss.clone().detach()
         agg_loss = self.dp_group_loss.clone().detach()
         if self.is_data_parallel:
-            torch.distributed.all_reduce(agg_loss, group=self.mpu.get_data_parallel_group())
+            group = self.mpu.get_data_parallel_group()
+            self.waiter.collective(
+                lambda: torch.distributed.all_reduce(agg_loss, group=group, async_op=True), "the loss all-reduce"
+            )
             agg_loss /= self.dp_world_size
         self._own_loss = torch.stack([self.dp_group_loss, agg_loss]).float()
         return self._own_loss
@@ -375,21 +542,30 @@ class RecyclePipelineEngine(PipelineEngine):
 
     def _exec_load(self, buffer_id: int, home: int, mb: int):
         if self.micro_batch_source is not None:
-            iterator = self.data_iterator
-            self.data_iterator = iter((self.micro_batch_source(self.global_steps, home, mb),))
-            try:
-                PipelineEngine._exec_load_micro_batch(self, buffer_id)
-            finally:
-                self.data_iterator = iterator
+            self._load(buffer_id, self.micro_batch_source(self.global_steps, home, mb))
             return
         if home != self.worker[0]:
             raise RecycleDataError(
                 f"micro-batch ({home},{mb}) belongs to another pipeline and data comes from an iterator"
             )
-        if mb != self._next_own_mb:
-            raise RuntimeError(f"schedule loads micro-batch {mb} but the data iterator is at {self._next_own_mb}")
-        self._next_own_mb += 1
-        PipelineEngine._exec_load_micro_batch(self, buffer_id)
+        # An iteration that a failure interrupted runs again: replay what it read from the iterator.
+        loaded = self._loaded.setdefault(self.global_steps, [])
+        for old in [i for i in self._loaded if i < self.global_steps - 1]:
+            del self._loaded[old]
+        if mb == len(loaded):
+            loaded.append(next(self.data_iterator))
+        elif mb > len(loaded):
+            raise RuntimeError(f"schedule loads micro-batch {mb} but the data iterator is at {len(loaded)}")
+        self._load(buffer_id, loaded[mb])
+
+    def _load(self, buffer_id: int, batch) -> None:
+        """DeepSpeed's own loading (inputs on the first stage, labels on the last) of ``batch``."""
+        iterator = self.data_iterator
+        self.data_iterator = iter((batch,))
+        try:
+            PipelineEngine._exec_load_micro_batch(self, buffer_id)
+        finally:
+            self.data_iterator = iterator
 
     def _exec_forward(self, buffer_id: int, home: int, mb: int):
         if self.forward_ledger is not None:
@@ -399,7 +575,8 @@ class RecyclePipelineEngine(PipelineEngine):
             self.pipe_buffers["losses"][buffer_id] = self.loss
 
     def _exec_send_activation(self, buffer_id: int, home: int, mb: int, peer):
-        self.channel.send(_as_tuple(self.pipe_buffers["outputs"][buffer_id]), peer, ACTIVATION, home, mb)
+        outputs = autocast_p2p.activations_to_wire(_as_tuple(self.pipe_buffers["outputs"][buffer_id]), self._wire)
+        self.channel.send(outputs, peer, ACTIVATION, home, mb)
 
     def _exec_recv_activation(self, buffer_id: int, home: int, mb: int, peer):
         received = self.channel.recv_activation(peer, home, mb)
@@ -409,8 +586,8 @@ class RecyclePipelineEngine(PipelineEngine):
 
     def _exec_recv_grad(self, buffer_id: int, home: int, mb: int, peer):
         outputs = _as_tuple(self.pipe_buffers["outputs"][buffer_id])
-        grads = tuple(torch.empty_like(t) for t in outputs if t.is_floating_point())
-        self.pipe_buffers["grads"][buffer_id] = self.channel.recv_into(grads, peer, GRADIENT, home, mb)
+        grads = self.channel.recv_into(autocast_p2p.grad_buffers(outputs, self._wire), peer, GRADIENT, home, mb)
+        self.pipe_buffers["grads"][buffer_id] = autocast_p2p.grads_from_wire(grads, outputs)
 
     def _exec_backward_input(self, buffer_id: int, home: int, mb: int):
         inputs = _as_tuple(self.pipe_buffers["inputs"][buffer_id])
@@ -421,7 +598,7 @@ class RecyclePipelineEngine(PipelineEngine):
             grads = self.pipe_buffers["grads"][buffer_id]
         self._running_engine_backward = True
         try:
-            input_grads, work = backward_input(outputs, grads, inputs, self._trainable)
+            input_grads, work = backward_input(outputs, grads, inputs, self._trainable, path=self._weight_path)
         finally:
             self._running_engine_backward = False
         self.pipe_buffers["input_grads"][buffer_id] = input_grads

@@ -3,7 +3,8 @@
 DeepSpeed's ``p2p`` module only reaches the adjacent stage of the caller's own pipeline. After a
 failure a micro-batch may come from, or go to, another pipeline, so ReCycle sends on the world
 group with global ranks. Sends are asynchronous (their handles are kept until the iteration
-ends); receives block. Every message is tagged with its kind and micro-batch, so transfers
+ends); receives wait, failure-aware (:class:`~ds_recycle.runtime.waiting.Waiter`), so a dead peer
+never blocks a survivor. Every message is tagged with its kind and micro-batch, so transfers
 between the same two workers never depend on matching order. The first transfer of a kind to a
 peer carries the tensor metadata (count, dtypes, shapes); the receiver caches it per peer.
 """
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ds_recycle.runtime.waiting import PeerFailure, Waiter
+
 Worker = tuple[int, int]
 
 ACTIVATION = 1
@@ -24,6 +27,16 @@ TIED_GRADIENT = 4
 TIED_WEIGHT = 5
 LOSS = 6
 GRAD_NORM = 7
+
+_KINDS = {
+    ACTIVATION: "activation",
+    GRADIENT: "gradient",
+    ACTIVATION_META: "activation metadata",
+    TIED_GRADIENT: "tied gradient",
+    TIED_WEIGHT: "tied weight",
+    LOSS: "loss",
+    GRAD_NORM: "partial norm",
+}
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8]
 _META_LEN = 64
@@ -43,6 +56,7 @@ class PeerChannel:
 
     grid: object
     device: torch.device
+    waiter: Waiter = field(default_factory=Waiter)
     pending_sends: list = field(default_factory=list)
     _meta_sent: set = field(default_factory=set)
     _meta_received: dict = field(default_factory=dict)
@@ -65,7 +79,8 @@ class PeerChannel:
         meta = self._meta_received.get(src)
         if meta is None:
             buf = torch.empty(_META_LEN, dtype=torch.int64, device=self.device)
-            dist.recv(buf, src=src, tag=message_tag(ACTIVATION_META))
+            tag = message_tag(ACTIVATION_META)
+            self.waiter.p2p(lambda: dist.irecv(buf, src=src, tag=tag), f"receiving activation metadata from {peer}")
             meta = self._meta_received[src] = _decode_meta(buf)
         tensors = tuple(torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in meta)
         self.recv_into(tensors, peer, ACTIVATION, home, mb)
@@ -75,15 +90,23 @@ class PeerChannel:
         src = self.rank_of(peer)
         tag = message_tag(kind, home, mb)
         for tensor in tensors:
-            dist.recv(tensor, src=src, tag=tag)
+            self.waiter.p2p(
+                lambda tensor=tensor: dist.irecv(tensor, src=src, tag=tag),
+                f"receiving {_KINDS[kind]} ({home},{mb}) from {peer}",
+            )
         return tensors
 
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        self.pending_sends.append((dist.isend(tensor, dst=dst, tag=tag), tensor))
+        self.waiter.check(f"sending to rank {dst}")
+        try:
+            work = dist.isend(tensor, dst=dst, tag=tag)
+        except RuntimeError as error:
+            raise PeerFailure(f"sending to rank {dst}: {error}") from error
+        self.pending_sends.append((work, tensor))
 
     def wait_sends(self) -> None:
         for work, _tensor in self.pending_sends:
-            work.wait()
+            self.waiter.p2p(lambda work=work: work, "completing the iteration's sends")
         self.pending_sends.clear()
 
 

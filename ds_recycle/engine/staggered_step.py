@@ -44,7 +44,7 @@ import torch
 from deepspeed.utils import logger
 
 from ds_recycle.engine.routing import GRAD_NORM, LOSS, TIED_GRADIENT, TIED_WEIGHT, PeerChannel
-from ds_recycle.engine.undo import StepUndo, unsupported_reason
+from ds_recycle.engine.undo import SnapshotUndo, StepUndo, undo_before_step, unsupported_reason
 
 CLIP_EPSILON = 1e-6  # the epsilon of DeepSpeed's and torch's clip_grad_norm_
 
@@ -55,6 +55,15 @@ class TiedWeight:
     param: torch.nn.Parameter
     owner_stage: int
     stages: list[int]
+
+
+@dataclass
+class FinishedStep:
+    """What undoing the last finished iteration needs: its optimizer step and the LR scheduler state
+    before it stepped."""
+
+    undo: StepUndo | SnapshotUndo | None
+    lr_state: dict | None
 
 
 @dataclass
@@ -80,6 +89,11 @@ class StageStepper:
         self.tied = self._tied_weights()
         self._pending: _PendingValidation | None = None
         self._warned_snapshot = False
+        self.keep_undo = getattr(engine, "agent", None) is not None
+        """Under ds-recycle launch every step stays undoable until every member has finished its
+        iteration: a failure may abort an iteration that this stage has already stepped."""
+        self.inflight: StepUndo | SnapshotUndo | None = None
+        self.finished: FinishedStep | None = None
         self.last_grad_norm: float | None = None
 
     def _tied_weights(self) -> list[TiedWeight]:
@@ -116,9 +130,14 @@ class StageStepper:
             coef = self._clip_coef(self._total_sq_norm(partial))
             if self.clip > 0:
                 self._scale_grads(counted, coef)
+            self.finished = None
+            self._remember_step(params, counted)
             self._optimizer_step(params, followed)
             return
+        # This stage's all-reduce has completed, so every worker has finished the previous iteration.
+        self.finished = None
         if self.clip <= 0:
+            self._remember_step(params, counted)
             self._optimizer_step(params, followed)
             return
         partial = _sq_norm(counted)
@@ -128,12 +147,14 @@ class StageStepper:
         reason = unsupported_reason(engine.optimizer)
         if reason is None:
             pending = _PendingValidation(reduced, partial, StepUndo.before_step(engine.optimizer, stepped))
+            self.inflight = pending.undo if self.keep_undo else None
         else:
             if not self._warned_snapshot:
                 self._warned_snapshot = True
                 logger.warning(f"ReCycle: clipping post-validation keeps a snapshot of the state: {reason}")
             snapshot = ([p.detach().clone() for p in params], copy.deepcopy(engine.optimizer.state_dict()))
             pending = _PendingValidation(reduced, partial, None, snapshot)
+            self.inflight = SnapshotUndo(engine.optimizer, params, *snapshot) if self.keep_undo else None
         self._pending = pending
         self._send_partial_norm(partial)
         self._optimizer_step(params, followed)
@@ -163,11 +184,63 @@ class StageStepper:
             self._validate(self._pending)
             self._pending = None
         self._exchange_tied_weights()
+        lr_state = None
         if engine.lr_scheduler is not None:
+            lr_state = engine.lr_scheduler.state_dict() if self.keep_undo else None
             engine.lr_scheduler.step()
         engine.global_steps += 1
         engine.global_samples += engine.train_batch_size()
         self.channel.wait_sends()
+        if self.keep_undo:
+            self.finished = FinishedStep(self.inflight, lr_state)
+            self.inflight = None
+
+    # ---- rollback ------------------------------------------------------------------------------
+
+    @property
+    def stepped_inflight(self) -> bool:
+        return self.inflight is not None
+
+    def rollback_inflight(self) -> None:
+        """Undo the step of the iteration that a failure interrupted."""
+        if self.inflight is not None:
+            self.inflight.undo()
+        self.inflight = None
+        self._pending = None
+
+    def rollback_finished(self) -> None:
+        """Undo the last finished iteration: its step, its LR step and the engine's counters."""
+        engine, finished = self.engine, self.finished
+        if finished is None:
+            raise RuntimeError("the last finished iteration cannot be undone: its undo record was dropped")
+        if finished.undo is not None:
+            finished.undo.undo()
+        if finished.lr_state is not None:
+            engine.lr_scheduler.load_state_dict(finished.lr_state)
+        engine.global_steps -= 1
+        engine.global_samples -= engine.train_batch_size()
+        self.finished = None
+
+    def resync_tied_weights(self) -> None:
+        """After a rollback: followers take the owner's (restored) tied weights again."""
+        self._exchange_tied_weights()
+        self.channel.wait_sends()
+
+    def _remember_step(self, params, counted) -> None:
+        if not self.keep_undo:
+            return
+        counted_ids = {id(p) for p in counted}
+        optimizer = self.engine.optimizer
+        reason = unsupported_reason(optimizer)
+        if reason is not None and not self._warned_snapshot:
+            self._warned_snapshot = True
+            logger.warning(f"ReCycle: a step is undone from a snapshot of the state, not in place: {reason}")
+        used = (
+            {}
+            if reason
+            else {p: p.grad.detach().clone() for p in params if p.grad is not None and id(p) in counted_ids}
+        )
+        self.inflight = undo_before_step(optimizer, used, params)
 
     def receive_loss(self) -> torch.Tensor:
         loss = torch.zeros(2, dtype=torch.float32, device=self.engine.device)
@@ -191,6 +264,10 @@ class StageStepper:
             engine.optimizer.load_state_dict(saved_optimizer)
         for p, grad in zip(params, pending.reduced_grads, strict=True):
             p.grad = None if grad is None else grad.mul_(coef)
+        counted_ids = {id(p) for p in params} - {id(p) for p in followed}
+        if self.keep_undo:
+            used = {p: p.grad for p in params if p.grad is not None and id(p) in counted_ids}
+            self.inflight = undo_before_step(engine.optimizer, used, params)
         self._optimizer_step(params, followed)
 
     def _clip_coef(self, total_sq_norm: float) -> float:

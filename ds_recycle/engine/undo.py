@@ -16,6 +16,7 @@ about 1e-7 of ``v_t`` in absolute terms (its subtraction can cancel).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -109,3 +110,32 @@ class StepUndo:
             return
         d_p = grad.add(p, alpha=wd) if wd else grad
         buf.sub_(d_p, alpha=1 - dampening).div_(momentum)
+
+
+@dataclass
+class SnapshotUndo:
+    """The fallback for optimizers :class:`StepUndo` does not cover: a copy of the parameters and
+    the optimizer state, taken before the step (three times the parameter memory for Adam)."""
+
+    optimizer: torch.optim.Optimizer
+    params: list[torch.nn.Parameter]
+    saved_params: list[torch.Tensor]
+    saved_state: dict
+
+    @classmethod
+    def before_step(cls, optimizer, params) -> SnapshotUndo:
+        params = list(params)
+        return cls(optimizer, params, [p.detach().clone() for p in params], copy.deepcopy(optimizer.state_dict()))
+
+    @torch.no_grad()
+    def undo(self) -> None:
+        for p, saved in zip(self.params, self.saved_params, strict=True):
+            p.copy_(saved)
+        self.optimizer.load_state_dict(self.saved_state)
+
+
+def undo_before_step(optimizer, grads: dict, params) -> StepUndo | SnapshotUndo:
+    """The in-place undo where it applies, else a snapshot of ``params`` and the optimizer state."""
+    if unsupported_reason(optimizer) is None:
+        return StepUndo.before_step(optimizer, grads)
+    return SnapshotUndo.before_step(optimizer, params)

@@ -12,6 +12,7 @@ all members apply the same changes at the same iteration, whatever their relativ
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -27,10 +28,24 @@ from ds_recycle.runtime.protocol import Change, Decision, Membership, Request
 
 HEARTBEAT_SECONDS = 0.1
 STORE_TIMEOUT_SECONDS = 120.0
+POLL_SECONDS = 0.002
 
 
 class MembershipError(RuntimeError):
     """The coordinator cannot be reached, or a request was not admitted in time."""
+
+
+class EpochSuperseded(RuntimeError):
+    """A newer epoch was decided while this process waited to enter an older one."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How far a survivor got when a failure stopped it: ``done`` iterations finished, and whether
+    it had already stepped the in-flight iteration ``done``."""
+
+    done: int
+    stepped: bool
 
 
 def connect(address: str, generation: int, timeout: float = STORE_TIMEOUT_SECONDS):
@@ -121,6 +136,71 @@ class MembershipAgent:
             self.current = decision.next
         return decision
 
+    def recover(self, progress: Progress, running: tuple[int, ...], detect_timeout: float, timeout: float) -> Decision:
+        """The survivors' one decision after a failure in the current epoch.
+
+        Every survivor posts its progress; once all survivors have (a survivor that dies meanwhile
+        drops out of the wait), the first to propose fixes the decision: the changes pending so far,
+        the next membership, and ``iteration`` = the iteration every survivor restarts from (the
+        least finished count). A failure of one of ``running`` (the members this process was running
+        with) must have been published within ``detect_timeout``, else the comm error that started
+        this was not a failure."""
+        self.refresh()
+        epoch = self.current.epoch
+        deadline = time.monotonic() + detect_timeout
+        while not any(c.kind == proto.FAILED and c.slot in running for c in self._pending()):
+            if time.monotonic() > deadline:
+                raise MembershipError(
+                    f"a peer stopped answering in epoch {epoch} but the launcher published no failure within "
+                    f"{detect_timeout:.0f} s"
+                )
+            time.sleep(POLL_SECONDS)
+        self.store.set(f"progress/{epoch}/{self.slot}", json.dumps([progress.done, progress.stepped]))
+        key = f"recovery/{epoch}"
+        deadline = time.monotonic() + timeout
+        while not self.store.check([key]):
+            pending = self._pending()
+            changes = tuple(pending[self.applied :])
+            survivors = self._survivors(changes)
+            posted = [f"progress/{epoch}/{s}" for s in survivors]
+            if self.store.check(posted):
+                done = min(json.loads(self.store.get(k))[0] for k in posted)
+                nxt = self._next(changes, done) or Membership(epoch + 1, self.current.members, done)
+                proposal = Decision(epoch, done, len(pending), changes, nxt)
+                self.store.compare_set(key, "", proposal.to_json())
+                break
+            if time.monotonic() > deadline:
+                missing = [s for s, k in zip(survivors, posted, strict=True) if not self.store.check([k])]
+                raise MembershipError(f"survivors {missing} did not report their progress within {timeout:.0f} s")
+            time.sleep(POLL_SECONDS)
+        decision = Decision.from_json(self.store.get(key))
+        self.applied = decision.applied
+        self._publish(decision.next)
+        self.current = decision.next
+        return decision
+
+    def _survivors(self, changes: tuple[Change, ...]) -> list[int]:
+        gone = {c.slot for c in changes if c.kind in (proto.FAILED, proto.LEAVE)}
+        return [s for s in self.current.members if s not in gone]
+
+    def enter(self, membership: Membership, failure_flag: threading.Event | None, timeout: float) -> None:
+        """Wait until every member of ``membership`` is ready to build its world. Raises
+        EpochSuperseded if a newer epoch was decided meanwhile, and calls ``on_failure`` (a member
+        has the failure flag) if a failure is announced."""
+        key = f"ready/{membership.epoch}"
+        self.store.add(key, 1)
+        deadline = time.monotonic() + timeout
+        while int(self.store.add(key, 0)) < len(membership.members):
+            if failure_flag is not None and failure_flag.is_set():
+                from ds_recycle.runtime.waiting import PeerFailure
+
+                raise PeerFailure(f"a failure was announced while entering epoch {membership.epoch}")
+            if int(self.store.get(proto.CURRENT_EPOCH)) > membership.epoch:
+                raise EpochSuperseded(f"epoch {membership.epoch} was superseded before every member entered it")
+            if time.monotonic() > deadline:
+                raise MembershipError(f"not every member of epoch {membership.epoch} arrived within {timeout:.0f} s")
+            time.sleep(POLL_SECONDS)
+
     def _next(self, changes: tuple[Change, ...], iteration: int) -> Membership | None:
         members = set(self.current.members)
         for change in changes:
@@ -136,10 +216,27 @@ class MembershipAgent:
         self.store.compare_set(proto.epoch_key(membership.epoch), "", membership.to_json())
         self.store.compare_set(proto.CURRENT_EPOCH, str(membership.epoch - 1), str(membership.epoch))
 
+    def refresh(self) -> Membership:
+        """The latest epoch decided by anyone (a slower member may not have seen it yet)."""
+        latest = self._read_current()
+        if latest.epoch > self.current.epoch:
+            self.current = latest
+            self.applied = self._decision_creating(latest).applied
+        return self.current
+
     def _pending(self) -> list[Change]:
         if not self.store.check([proto.PENDING]):
             return []
         return proto.changes_from_json(self.store.get(proto.PENDING))
+
+    def _decision_creating(self, membership: Membership) -> Decision:
+        """The decision (a boundary or a recovery) that created ``membership``."""
+        for key in (proto.decision_key(membership.epoch - 1, membership.iteration), f"recovery/{membership.epoch - 1}"):
+            if self.store.check([key]):
+                decision = Decision.from_json(self.store.get(key))
+                if decision.next == membership:
+                    return decision
+        raise MembershipError(f"no decision created epoch {membership.epoch}")
 
     def _read_current(self) -> Membership:
         epoch = int(self.store.get(proto.CURRENT_EPOCH))
@@ -154,9 +251,8 @@ class MembershipAgent:
         while time.monotonic() < deadline:
             current = self._read_current()
             if self.slot in current.members:
-                admitted = self.store.get(proto.decision_key(current.epoch - 1, current.iteration))
                 self.current = current
-                self.applied = Decision.from_json(admitted).applied
+                self.applied = self._decision_creating(current).applied
                 return current
             time.sleep(0.02)
         raise MembershipError(

@@ -1,0 +1,143 @@
+"""Failure-aware waiting: no survivor blocks forever on a dead or hung peer.
+
+Every ReCycle transfer and collective is started asynchronously and then waited for here, against
+the failure flag that the :class:`FailureWatcher` raises when the coordinator publishes a failure.
+gloo offers no abort: a blocked op only returns when its peer's sockets close or its timeout fires,
+and ranks that are not talking to the dead peer never notice it (pg-rebuild.md, Q1). So:
+
+- collectives are polled with ``work.is_completed()``;
+- a point-to-point ``wait()`` only completes once called, so it runs in a helper thread while the
+  caller polls; after a failure that thread is abandoned (it may stay blocked until the group's
+  finite timeout) and a fresh one serves the next op;
+- a gloo error on any op is a failure too: the caller stops at once and waits for the coordinator
+  to say who failed.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ds_recycle.runtime import protocol as proto
+
+SPIN_SECONDS = 0.0005
+POLL_SECONDS = 0.001
+
+
+class PeerFailure(RuntimeError):
+    """A peer failed while this worker was waiting on it (or the coordinator announced a failure)."""
+
+
+@dataclass
+class FailureWatcher:
+    """Raises :attr:`flag` when the coordinator's ``alert`` counter moves past ``seen``."""
+
+    store: object
+    """Its own store client: a blocking call on a shared client would block the other threads."""
+    seen: int = 0
+    period: float = 0.005
+    flag: threading.Event = field(default_factory=threading.Event)
+    raised_at: float | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> FailureWatcher:
+        self.seen = int(self.store.add(proto.ALERT, 0))
+        threading.Thread(target=self._run, name="recycle-failure-watcher", daemon=True).start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            try:
+                value = int(self.store.add(proto.ALERT, 0))
+            except Exception:  # the launcher (and its store) is gone: the job is over
+                self.raise_flag()
+                return
+            if value > self.seen:
+                self.raise_flag()
+
+    def raise_flag(self) -> None:
+        if not self.flag.is_set():
+            self.raised_at = time.time()
+            self.flag.set()
+
+    def current_alerts(self) -> int:
+        return int(self.store.add(proto.ALERT, 0))
+
+    def acknowledge(self, seen: int) -> None:
+        """Recovery has taken the first ``seen`` announced failures into account; a later one raises
+        the flag again at the next poll."""
+        self.seen = seen
+        self.flag.clear()
+        self.raised_at = None
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class Waiter:
+    """Waits on gloo work handles, giving up with :class:`PeerFailure` when a failure is flagged."""
+
+    def __init__(self, failed: threading.Event | None = None):
+        self.failed = failed or threading.Event()
+        self._requests: queue.Queue | None = None
+
+    def check(self, what: str) -> None:
+        if self.failed.is_set():
+            raise PeerFailure(f"a failure was announced before {what}")
+
+    def collective(self, start, what: str):
+        """``start()`` returns an async work handle; wait for it."""
+        self.check(what)
+        try:
+            work = start()
+            spins = 0
+            while not work.is_completed():
+                if self.failed.is_set():
+                    raise PeerFailure(f"a failure was announced during {what}")
+                spins += 1
+                time.sleep(SPIN_SECONDS if spins < 200 else POLL_SECONDS)
+            work.wait()
+        except RuntimeError as error:
+            if isinstance(error, PeerFailure):
+                raise
+            raise PeerFailure(f"{what}: {error}") from error
+
+    def p2p(self, start, what: str) -> None:
+        """``start()`` returns an isend/irecv work handle; its ``wait()`` runs in a helper thread."""
+        self.check(what)
+        try:
+            work = start()
+        except RuntimeError as error:
+            raise PeerFailure(f"{what}: {error}") from error
+        done = threading.Event()
+        outcome: list = []
+        self._helper().put((work, done, outcome))
+        spins = 0
+        while not done.is_set():
+            if self.failed.is_set():
+                self._requests = None  # abandon the helper: it may stay blocked in this wait
+                raise PeerFailure(f"a failure was announced during {what}")
+            spins += 1
+            done.wait(SPIN_SECONDS if spins < 200 else POLL_SECONDS)
+        if outcome and outcome[0] is not None:
+            raise PeerFailure(f"{what}: {outcome[0]}") from outcome[0]
+
+    def _helper(self) -> queue.Queue:
+        if self._requests is None:
+            requests: queue.Queue = queue.Queue()
+            threading.Thread(target=_serve, args=(requests,), name="recycle-p2p-wait", daemon=True).start()
+            self._requests = requests
+        return self._requests
+
+
+def _serve(requests: queue.Queue) -> None:
+    while True:
+        work, done, outcome = requests.get()
+        try:
+            work.wait()
+            outcome.append(None)
+        except Exception as error:  # reported to the waiting caller
+            outcome.append(error)
+        done.set()
