@@ -15,8 +15,20 @@ from ds_recycle.integrations.hf_model import (
     pipeline_batch,
     to_hf_state_dict,
 )
+from ds_recycle.integrations.hf_trainer import (
+    DeepSpeedArgumentsError,
+    RecycleTrainer,
+    RecycleTrainingArguments,
+    fill_ds_config,
+    save_hf_checkpoint,
+)
 
 __all__ = [
+    "DeepSpeedArgumentsError",
+    "RecycleTrainer",
+    "RecycleTrainingArguments",
+    "fill_ds_config",
+    "save_hf_checkpoint",
     "CausalLMPipelineInfo",
     "HFNames",
     "HFPipelineError",

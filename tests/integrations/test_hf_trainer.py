@@ -1,0 +1,117 @@
+"""``RecycleTrainer`` with pp=2 x dp=2 on CPU: real ranks started by ds_recycle's launcher running
+examples/hf_trainer_llama.py. The loss falls, a run resumed from checkpoint-3 ends with the
+parameters of the uninterrupted run bit for bit, and ``save_model`` output loads with
+``from_pretrained`` with the trained weights and logits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds_recycle.runtime.launcher import launch
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "hf_trainer_llama.py"
+DS_CONFIG = ROOT / "ds_configs" / "hf_llama_recycle.json"
+STEPS = 6
+WORLD = 4
+TIMEOUT = 240
+
+
+def run_example(out: Path, *extra: str) -> dict[int, dict]:
+    argv = [
+        str(EXAMPLE),
+        "--deepspeed", str(DS_CONFIG),
+        "--output_dir", str(out),
+        "--max_steps", str(STEPS),
+        "--save_steps", "3",
+        "--logging_steps", "1",
+        "--per_device_train_batch_size", "2",
+        "--gradient_accumulation_steps", "4",
+        "--learning_rate", "1e-2",
+        "--warmup_steps", "2",
+        "--lr_scheduler_type", "cosine",
+        "--hidden_size", "32",
+        "--num_layers", "2",
+        "--seq_len", "16",
+        "--samples", "128",
+        "--report_to", "none",
+        "--disable_tqdm", "true",
+        "--dump_params", str(out / "dump"),
+        *extra,
+    ]  # fmt: skip
+    results = launch(argv, world_size=WORLD, timeout=TIMEOUT, log_dir=out / "logs", env={"WANDB_MODE": "disabled"})
+    for result in results:
+        assert result.ok, f"rank {result.rank} exited {result.returncode}:\n{result.log[-4000:]}"
+    return {rank: torch.load(out / "dump" / f"rank{rank}.pt") for rank in range(WORLD)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
+    base = tmp_path_factory.mktemp("hf_trainer")
+    full = run_example(base / "full")
+    resumed = run_example(base / "resumed", "--resume_from_checkpoint", str(base / "full" / "checkpoint-3"))
+    return {"full": (base / "full", full), "resumed": (base / "resumed", resumed)}
+
+
+pytestmark = pytest.mark.multiprocess
+
+
+def test_loss_falls_and_trainer_logs_as_usual(runs):
+    out, dumps = runs["full"]
+    history = [h for h in dumps[0]["log_history"] if "loss" in h]
+    assert [h["step"] for h in history] == list(range(1, STEPS + 1))  # logging_steps=1
+    assert history[-1]["loss"] < history[0]["loss"] - 0.2
+    assert all({"grad_norm", "learning_rate", "epoch"} <= set(h) for h in history)
+    assert history[0]["learning_rate"] == 0.0  # linear warm-up from 0, as HF reports it
+    assert sum(d["leader"] for d in dumps.values()) == 1
+    for step in (3, 6):
+        checkpoint = out / f"checkpoint-{step}"
+        assert (checkpoint / "latest").read_text().strip() == f"global_step{step}"
+        assert (checkpoint / "trainer_state.json").exists()
+        assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == step
+        assert sorted(p.name for p in checkpoint.glob("rng_state_*.pth")) == [f"rng_state_{r}.pth" for r in range(4)]
+        assert (checkpoint / "model.safetensors.index.json").exists()
+
+
+def test_resume_from_checkpoint_gives_the_uninterrupted_parameters(runs):
+    _, full = runs["full"]
+    _, resumed = runs["resumed"]
+    for rank in range(WORLD):
+        assert resumed[rank]["global_step"] == full[rank]["global_step"] == STEPS
+        want, got = full[rank]["params"], resumed[rank]["params"]
+        assert sorted(want) == sorted(got)
+        for name in want:
+            assert torch.equal(want[name], got[name]), f"rank {rank} {name}"
+    full_losses = [h["loss"] for h in full[0]["log_history"] if "loss" in h]
+    resumed_losses = [h["loss"] for h in resumed[0]["log_history"] if "loss" in h]
+    assert resumed_losses == full_losses
+
+
+def test_save_model_loads_with_from_pretrained(runs):
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    out, dumps = runs["full"]
+    trained = {}
+    for rank in (0, 2):  # data-parallel replica 0 of stage 0 and of stage 1
+        trained.update(dumps[rank]["hf_params"])
+    model = LlamaForCausalLM.from_pretrained(out / "final")
+    state = model.state_dict()
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied, as the config says
+    assert sorted(trained) == sorted(k for k in state if k != "lm_head.weight")
+    for name, tensor in trained.items():
+        assert torch.equal(state[name], tensor), name
+
+    reference = AutoModelForCausalLM.from_config(model.config)
+    reference.load_state_dict(trained, strict=False)
+    reference.tie_weights()
+    ids = torch.randint(1, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 12:] = 0
+    model.eval()
+    reference.eval()
+    with torch.no_grad():
+        assert torch.equal(model(ids, attention_mask=mask).logits, reference(ids, attention_mask=mask).logits)
