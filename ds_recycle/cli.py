@@ -6,17 +6,30 @@ and ``launch`` (DESIGN.md §1) plug in the same way.
 
 Exit codes: 0 success, 2 bad arguments (argparse's convention, also used for a failure set that
 leaves a stage without survivors: that needs a checkpoint fallback, not a plan).
+
+A bad argument prints one line, ``ds-recycle COMMAND: error: ...``, naming the argument and the
+allowed values (no usage block, no traceback), and nothing else: every argument, the size limits
+(ds_recycle/planner/limits.py) and the output paths are checked before the long work starts, and
+output files are written to a temporary name and renamed, so a failed run leaves none behind.
+
+Nothing here imports DeepSpeed: ``ds-recycle --help`` and ``ds-recycle plan`` stay fast. A command
+imports what it needs inside its ``run``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import re
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from ds_recycle.planner.limits import LIMITS, LimitError, check_costs, check_png, check_problem, duration_range
 
 USAGE_ERROR = 2
 
@@ -32,102 +45,341 @@ class Command:
     run: Callable[[argparse.Namespace], int]
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (``PROG: error: MESSAGE``, exit 2) instead of usage + error."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
+class StoreOnce(argparse.Action):
+    """Store an option's value, refusing a second occurrence (``-D 2 --pipelines 3`` included)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = namespace.__dict__.setdefault("_given_options", {})
+        if self.dest in given:
+            raise argparse.ArgumentError(
+                self, f"given twice ({given[self.dest]} and {option_string} {values}); give it once"
+            )
+        given[self.dest] = f"{option_string} {values}"
+        setattr(namespace, self.dest, values)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse already printed usage and the message to stderr
+    except SystemExit as exc:  # argparse already printed its one line to stderr (or the help)
         return int(exc.code) if isinstance(exc.code, int) else USAGE_ERROR
     try:
         return COMMANDS[args.command].run(args)
     except UsageError as exc:
-        print(f"ds-recycle {args.command}: error: {exc}", file=sys.stderr)
+        print(f"ds-recycle {args.command}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return USAGE_ERROR
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="ds-recycle", description="ReCycle for DeepSpeed pipelines: plans for failure sets."
-    )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parser = Parser(prog="ds-recycle", description="ReCycle for DeepSpeed pipelines: plans for failure sets.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=Parser)
     for name, command in COMMANDS.items():
         command.add_arguments(sub.add_parser(name, help=command.help, description=command.help))
     return parser
+
+
+# ----- argument types: each names the allowed values -------------------------------------------
+
+
+def int_in(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer in ``low..high``."""
+
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text[:40]!r} is not an integer: allowed {low}..{high}") from None
+        if not low <= value <= high:
+            shown = str(value) if len(str(value)) <= 40 else f"{str(value)[:20]}...({len(str(value))} digits)"
+            raise argparse.ArgumentTypeError(f"{shown} is out of range: allowed {low}..{high}")
+        return value
+
+    return convert
+
+
+def float_in(
+    low: float, high: float, *, low_open: bool = False, zero: bool = False, cost: str | None = None
+) -> Callable[[str], float]:
+    """An argparse type: a finite number in ``[low, high]`` (``(low, high]`` if ``low_open``), or 0
+    when ``zero``; ``cost`` names a cost-model duration in the message for a negative value."""
+    left = "(" if low_open else "["
+    allowed = f"allowed {'0 or ' if zero else ''}{left}{low:g}, {high:g}]"
+
+    def convert(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number: {allowed}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text[:40]!r} is not finite: {allowed}")
+        if zero and value == 0:
+            return 0.0
+        if value < low or (low_open and value == low) or value > high:
+            if value < 0 and cost is not None:
+                raise argparse.ArgumentTypeError(f"negative cost {cost} = {value:g}: {allowed}")
+            raise argparse.ArgumentTypeError(f"{value:g} is out of range: {allowed}")
+        return value
+
+    return convert
+
+
+def duration(name: str) -> Callable[[str], float]:
+    """An argparse type for the cost-model duration ``name`` (``comm``, ``step``): 0 or in [1e-3, 1e6]."""
+    return float_in(LIMITS.min_duration, LIMITS.max_duration, zero=True, cost=name)
 
 
 # ----- plan -----------------------------------------------------------------------------------
 
 
 def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--pipelines", "-D", type=_positive_int, required=True, help="data-parallel pipelines D")
-    parser.add_argument("--stages", "-P", type=_positive_int, required=True, help="pipeline stages P")
+    lim = LIMITS
+    once = {"action": StoreOnce}
     parser.add_argument(
-        "--microbatches", "-m", type=_positive_int, required=True, help="micro-batches per pipeline per iteration"
+        "--pipelines",
+        "-D",
+        type=int_in(1, lim.max_pipelines),
+        required=True,
+        help=f"data-parallel pipelines D (1..{lim.max_pipelines})",
+        **once,
+    )
+    parser.add_argument(
+        "--stages",
+        "-P",
+        type=int_in(1, lim.max_stages),
+        required=True,
+        help=f"pipeline stages P (1..{lim.max_stages})",
+        **once,
+    )
+    parser.add_argument(
+        "--microbatches",
+        "-m",
+        type=int_in(1, lim.max_microbatches),
+        required=True,
+        help=f"micro-batches per pipeline per iteration (1..{lim.max_microbatches}); 3*D*P*m <= {lim.max_ops:,}",
+        **once,
     )
     parser.add_argument(
         "--fail",
         action="append",
         default=[],
         metavar="p:s",
-        help="a failed worker (pipeline p, stage s); repeat for several (also p:s,p:s)",
+        help="a failed worker (pipeline p, stage s); repeat for several (also p:s,p:s); each worker once",
     )
     costs = parser.add_mutually_exclusive_group()
     costs.add_argument(
-        "--costs", metavar="F,B,W", help="durations of F, B and W, the same on every stage (default 1,1,1)"
+        "--costs",
+        metavar="F,B,W",
+        help=f"durations of F, B and W, the same on every stage (default 1,1,1; each {duration_range()})",
+        **once,
     )
     costs.add_argument(
         "--cost-file",
         metavar="FILE",
         help="JSON or YAML with F, B, W lists (one value per stage) and optional comm and step",
+        **once,
     )
-    parser.add_argument("--comm", type=float, default=None, metavar="C", help="p2p latency between workers (default 0)")
-    parser.add_argument("--step", type=float, default=None, metavar="T", help="duration of S: all-reduce + optimizer")
     parser.add_argument(
-        "--memory-cap", type=int, default=None, metavar="N", help="micro-batches a worker may hold (default P)"
+        "--comm",
+        type=duration("comm"),
+        default=None,
+        metavar="C",
+        help="p2p latency between workers (default 0)",
+        **once,
     )
-    parser.add_argument("--solver", choices=("heuristic", "milp"), default="heuristic")
-    parser.add_argument("--time-limit", type=float, default=10.0, metavar="S", help="MILP time limit in seconds")
-    parser.add_argument("--json", metavar="OUT", help="write the plan as JSON")
-    parser.add_argument("--png", metavar="OUT", help="write a Gantt chart as PNG")
-    parser.add_argument("--width", type=int, default=120, help="maximum columns of the text Gantt")
+    parser.add_argument(
+        "--step", type=duration("step"), default=None, metavar="T", help="duration of S: all-reduce + optimizer", **once
+    )
+    parser.add_argument(
+        "--memory-cap",
+        type=int_in(1, lim.max_memory_cap),
+        default=None,
+        metavar="N",
+        help=f"micro-batches a worker may hold (default P; 1..{lim.max_memory_cap})",
+        **once,
+    )
+    parser.add_argument(
+        "--solver",
+        choices=("heuristic", "milp"),
+        default="heuristic",
+        help=f"milp: only up to 3*D*P*m = {lim.max_milp_ops:,} ops",
+        **once,
+    )
+    parser.add_argument(
+        "--time-limit",
+        type=float_in(0, lim.max_time_limit, low_open=True),
+        default=10.0,
+        metavar="S",
+        help=f"MILP time limit in seconds (0, {lim.max_time_limit:g}]",
+        **once,
+    )
+    parser.add_argument("--json", metavar="OUT", help="write the plan as JSON", **once)
+    parser.add_argument(
+        "--png",
+        metavar="OUT.png",
+        help=f"write a Gantt chart as PNG (at most {lim.max_png_rows} workers, {lim.max_png_ops:,} ops)",
+        **once,
+    )
+    parser.add_argument(
+        "--width",
+        type=int_in(lim.min_width, lim.max_width),
+        default=120,
+        help=f"maximum columns of the text Gantt ({lim.min_width}..{lim.max_width})",
+        **once,
+    )
 
 
 def _run_plan(args: argparse.Namespace) -> int:
     from ds_recycle.planner.lower_bound import NoSurvivorError, check_survivors
 
     D, P, m = args.pipelines, args.stages, args.microbatches
+    try:
+        check_problem(D, P, m, args.solver)
+    except LimitError as exc:
+        flag = "--solver milp with " if args.solver == "milp" and "MILP" in str(exc) else ""
+        raise UsageError(f"{flag}--pipelines/--stages/--microbatches: {exc}") from None
     failed = parse_failures(args.fail, D, P)
     costs = load_costs(args, P)
-    if args.memory_cap is not None and args.memory_cap < 1:
-        raise UsageError(f"--memory-cap {args.memory_cap}: a worker must hold at least 1 micro-batch (N >= 1)")
-    if args.time_limit <= 0:
-        raise UsageError(f"--time-limit {args.time_limit:g}: must be > 0 seconds")
+    outputs = Outputs.prepare(args, D, P, m)
     try:
-        check_survivors(D, P, failed)
-    except NoSurvivorError as exc:
-        raise UsageError(str(exc)) from exc
+        try:
+            check_survivors(D, P, failed)
+        except NoSurvivorError as exc:
+            raise UsageError(f"--fail: {exc}") from exc
 
-    if args.solver == "milp":
-        from ds_recycle.planner.milp import plan_milp
+        if args.solver == "milp":
+            from ds_recycle.planner.milp import plan_milp
 
-        plan = plan_milp(D, P, m, failed, costs, args.memory_cap, time_limit=args.time_limit)
-    else:
-        from ds_recycle.planner.heuristic import plan_heuristic
+            plan = plan_milp(D, P, m, failed, costs, args.memory_cap, time_limit=args.time_limit)
+        else:
+            from ds_recycle.planner.heuristic import plan_heuristic
 
-        plan = plan_heuristic(D, P, m, failed, costs, args.memory_cap)
+            plan = plan_heuristic(D, P, m, failed, costs, args.memory_cap)
 
-    from ds_recycle.planner.viz import save_png, text_gantt
+        from ds_recycle.planner.viz import text_gantt
 
-    print(text_gantt(plan, max_columns=args.width))
-    print()
-    print(format_figures(plan))
-    if args.json:
-        plan.to_json(args.json)
-        print(f"plan written to {args.json}")
-    if args.png:
-        save_png(plan, args.png)
-        print(f"Gantt chart written to {args.png}")
+        print(text_gantt(plan, max_columns=args.width))
+        print()
+        print(format_figures(plan))
+        for line in outputs.write(plan):
+            print(line)
+    finally:
+        outputs.discard()
     return 0
+
+
+@dataclass
+class Outputs:
+    """The ``--json`` and ``--png`` files: checked and opened (as temporary files next to their
+    targets) before planning, renamed into place only when everything is written."""
+
+    json: Path | None = None
+    png: Path | None = None
+    temporary: dict[str, Path] = field(default_factory=dict)
+
+    @classmethod
+    def prepare(cls, args: argparse.Namespace, D: int, P: int, m: int) -> Outputs:
+        out = cls()
+        targets = {"--json": args.json, "--png": args.png}
+        for flag, value in targets.items():
+            if value is not None:
+                setattr(out, flag[2:], _check_output_path(flag, value, getattr(args, "cost_file", None)))
+        if out.json is not None and out.png is not None and _same_path(out.json, out.png):
+            raise UsageError(f"--json and --png name the same file {args.json}: give two different paths")
+        if out.png is not None:
+            if out.png.suffix.lower() != ".png":
+                raise UsageError(f"--png {args.png}: the file name must end in .png")
+            try:
+                check_png(D, P, m)
+            except LimitError as exc:
+                raise UsageError(f"--png: {exc}; leave out --png (the text Gantt and --json have no limit)") from None
+        try:
+            for flag in targets:
+                path = getattr(out, flag[2:])
+                if path is not None:
+                    out.temporary[flag] = _temporary_next_to(flag, path)
+        except BaseException:
+            out.discard()
+            raise
+        return out
+
+    def write(self, plan) -> list[str]:
+        """Write every output to its temporary file, then rename them all into place."""
+        lines = []
+        try:
+            if self.json is not None:
+                self.temporary["--json"].write_text(plan.to_json())
+            if self.png is not None:
+                from ds_recycle.planner.viz import save_png
+
+                save_png(plan, self.temporary["--png"])
+        except OSError as exc:
+            raise UsageError(f"writing the output failed: {exc.strerror or exc}") from None
+        mode = 0o666 & ~_umask()
+        for flag, target, what in (("--json", self.json, "plan"), ("--png", self.png, "Gantt chart")):
+            if target is not None:
+                temporary = self.temporary.pop(flag)
+                os.chmod(temporary, mode)
+                os.replace(temporary, target)
+                lines.append(f"{what} written to {target}")
+        return lines
+
+    def discard(self) -> None:
+        for path in self.temporary.values():
+            try:
+                path.unlink()
+            except OSError:
+                pass
+        self.temporary.clear()
+
+
+def _check_output_path(flag: str, value: str, cost_file: str | None) -> Path:
+    shown = value if len(value) <= 80 else value[:77] + "..."
+    try:
+        path = Path(value)
+        if value == "" or path.is_dir():
+            raise UsageError(f"{flag} {shown!r}: is a directory; give a file path")
+        parent = path.parent
+        if not parent.is_dir():
+            raise UsageError(f"{flag} {shown}: directory {str(parent)[:80]} does not exist; give a path in a directory")
+        if len(path.name.encode("utf-8", "surrogateescape")) > 255:
+            raise UsageError(f"{flag} {shown}: the file name is longer than 255 bytes")
+        if path.exists() and not path.is_file():
+            raise UsageError(f"{flag} {shown}: exists and is not a regular file; give a file path")
+        if cost_file is not None and path.exists() and _same_path(path, Path(cost_file)):
+            raise UsageError(f"{flag} {shown}: is the --cost-file; give another path")
+    except (OSError, ValueError) as exc:  # an embedded NUL, a name too long for the system...
+        raise UsageError(f"{flag} {shown!r}: not a usable path ({exc})") from None
+    return path
+
+
+def _temporary_next_to(flag: str, path: Path) -> Path:
+    try:
+        fd, name = tempfile.mkstemp(prefix=f".{path.name[:100]}.", suffix=f".tmp{path.suffix[:10]}", dir=path.parent)
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot write in {path.parent} ({exc.strerror or exc})") from None
+    os.close(fd)
+    return Path(name)
+
+
+def _same_path(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except (OSError, ValueError, RuntimeError):
+        return False
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def format_figures(plan) -> str:
@@ -147,25 +399,30 @@ def format_figures(plan) -> str:
     )
 
 
-_FAILURE = re.compile(r"^\s*(-?\d+)\s*:\s*(-?\d+)\s*$")
+_FAILURE = re.compile(r"^\s*(-?\d{1,9})\s*:\s*(-?\d{1,9})\s*$", re.ASCII)
 
 
 def parse_failures(values: Sequence[str], pipelines: int, stages: int) -> list[tuple[int, int]]:
-    """``["0:1", "2:3,1:1"]`` -> ``[(0, 1), (2, 3), (1, 1)]``, checked against the grid."""
+    """``["0:1", "2:3,1:1"]`` -> ``[(0, 1), (2, 3), (1, 1)]``, checked against the grid; a worker
+    named twice is an error."""
     allowed = f"p in 0..{pipelines - 1}, s in 0..{stages - 1}"
-    out = []
+    out: list[tuple[int, int]] = []
+    seen: set[tuple[int, int]] = set()
     for value in values:
         for item in value.split(","):
             match = _FAILURE.match(item)
             if not match:
-                raise UsageError(f"--fail {item!r} is malformed: expected p:s (pipeline:stage) with {allowed}")
+                shown = item if len(item) <= 40 else item[:37] + "..."
+                raise UsageError(f"--fail {shown!r} is malformed: expected p:s (pipeline:stage) with {allowed}")
             p, s = int(match.group(1)), int(match.group(2))
             if not (0 <= p < pipelines and 0 <= s < stages):
                 raise UsageError(
                     f"--fail {p}:{s} is outside the grid of {pipelines} pipelines x {stages} stages: {allowed}"
                 )
-            if (p, s) not in out:
-                out.append((p, s))
+            if (p, s) in seen:
+                raise UsageError(f"--fail {p}:{s} is given twice: name each failed worker once ({allowed})")
+            seen.add((p, s))
+            out.append((p, s))
     return out
 
 
@@ -174,16 +431,19 @@ def load_costs(args: argparse.Namespace, stages: int):
     from ds_recycle.planner.plan import CostModel
 
     comm, step = 0.0, 0.0
+    source = "--costs"
     if args.cost_file:
+        source = f"--cost-file {args.cost_file}"
         data = _read_cost_file(args.cost_file)
         F, B, W = (_per_stage(data, name, stages, args.cost_file) for name in ("F", "B", "W"))
-        comm = _number(data.get("comm", 0.0), f"'comm' in {args.cost_file}")
-        step = _number(data.get("step", 0.0), f"'step' in {args.cost_file}")
-    elif args.costs:
+        comm = _number(data.get("comm", 0.0), f"--cost-file {args.cost_file}: 'comm'")
+        step = _number(data.get("step", 0.0), f"--cost-file {args.cost_file}: 'step'")
+    elif args.costs is not None:
         parts = args.costs.split(",")
+        shown = args.costs if len(args.costs) <= 40 else args.costs[:37] + "..."
         if len(parts) != 3:
-            raise UsageError(f"--costs {args.costs!r}: expected three numbers F,B,W (e.g. 1,1,1)")
-        f, b, w = (_number(x, f"--costs {args.costs!r}") for x in parts)
+            raise UsageError(f"--costs {shown!r}: expected three numbers F,B,W (e.g. 1,1,1)")
+        f, b, w = (_number(x, f"--costs {shown!r}") for x in parts)
         F, B, W = (f,) * stages, (b,) * stages, (w,) * stages
     else:
         F = B = W = (1.0,) * stages
@@ -195,29 +455,45 @@ def load_costs(args: argparse.Namespace, stages: int):
         for s, v in enumerate(values):
             if v < 0:
                 where = f"{name}[{s}]" if len(values) > 1 or name in "FBW" else name
-                raise UsageError(f"negative cost {where} = {v:g}: durations and latencies must be >= 0")
-    return CostModel(tuple(F), tuple(B), tuple(W), comm, step)
+                raise UsageError(f"{source}: negative cost {where} = {v:g}: {duration_range()}")
+    costs = CostModel(tuple(F), tuple(B), tuple(W), comm, step)
+    try:
+        check_costs(costs)
+    except LimitError as exc:
+        raise UsageError(f"{source}: {exc}") from None
+    return costs
 
 
 def _read_cost_file(path: str) -> dict:
     file = Path(path)
-    if not file.is_file():
-        raise UsageError(f"--cost-file {path}: no such file")
-    text = file.read_text()
+    try:
+        if not file.is_file():
+            raise UsageError(f"--cost-file {path}: no such file (a JSON or YAML file with keys F, B, W)")
+        size = file.stat().st_size
+        if size > LIMITS.max_cost_file_bytes:
+            raise UsageError(f"--cost-file {path}: {size:,} bytes; at most {LIMITS.max_cost_file_bytes:,} allowed")
+        raw = file.read_bytes()
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--cost-file {path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"--cost-file {path}: not UTF-8 text; expected JSON or YAML with keys F, B, W") from None
     try:
         data = json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         import yaml
 
         try:
             data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise UsageError(f"--cost-file {path}: neither valid JSON nor valid YAML ({exc})") from exc
+        except (yaml.YAMLError, ValueError, TypeError, RecursionError, OverflowError) as exc:
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise UsageError(f"--cost-file {path}: neither valid JSON nor valid YAML ({first})") from None
     if not isinstance(data, dict):
         raise UsageError(f"--cost-file {path}: expected a mapping with keys F, B, W (optional comm, step)")
-    unknown = set(data) - {"F", "B", "W", "comm", "step"}
+    unknown = sorted(str(k)[:40] for k in set(data) - {"F", "B", "W", "comm", "step"})
     if unknown:
-        raise UsageError(f"--cost-file {path}: unknown keys {sorted(unknown)}; allowed: F, B, W, comm, step")
+        raise UsageError(f"--cost-file {path}: unknown keys {unknown[:5]}; allowed: F, B, W, comm, step")
     return data
 
 
@@ -226,29 +502,23 @@ def _per_stage(data: dict, name: str, stages: int, path: str) -> tuple[float, ..
         raise UsageError(f"--cost-file {path}: missing key {name!r} (a list of {stages} durations, one per stage)")
     value = data[name]
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return (float(value),) * stages
+        return (_number(value, f"--cost-file {path}: {name!r}"),) * stages
     if not isinstance(value, list) or len(value) != stages:
         raise UsageError(f"--cost-file {path}: {name!r} must be a list of {stages} numbers (one per stage)")
-    return tuple(_number(v, f"{name!r} in {path}") for v in value)
+    return tuple(_number(v, f"--cost-file {path}: {name!r}") for v in value)
 
 
 def _number(value, where: str) -> float:
     try:
         if isinstance(value, bool):
             raise ValueError
-        return float(value)
-    except (TypeError, ValueError):
-        raise UsageError(f"{where}: {value!r} is not a number") from None
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer (expected >= 1)") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise UsageError(f"{where}: {shown} is not a number; {duration_range()}") from None
+    if not math.isfinite(number):
+        raise UsageError(f"{where}: {value!r} is not finite; {duration_range()}")
+    return number
 
 
 COMMANDS: dict[str, Command] = {

@@ -1,7 +1,8 @@
 """The planner: Plan IR, scheduling for any failure set, validation and lowering.
 
-Names are imported lazily, so that ``import ds_recycle.planner`` stays cheap (the validator and
-the lowering pull in DeepSpeed's instruction classes).
+Names are imported lazily, so that ``import ds_recycle.planner`` stays cheap. No planner module
+imports DeepSpeed at import time: ``lower``, ``check_streams`` and ``validate(plan)`` (with its
+default ``streams=True``) import DeepSpeed's instruction classes when first called.
 """
 
 from importlib import import_module

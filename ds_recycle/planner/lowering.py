@@ -20,22 +20,15 @@ slot from its first instruction to its ``BackwardWeight``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from deepspeed.runtime.pipe.schedule import PipeInstruction
-
-from ds_recycle.instructions import (
-    BackwardInput,
-    BackwardWeight,
-    ForwardPass,
-    LoadMicroBatch,
-    RecvActivation,
-    RecvGrad,
-    SendActivation,
-    SendGrad,
-    StaggeredStep,
-)
-from ds_recycle.instructions.routed import MATCHING_SEND, RECVS, SENDS
 from ds_recycle.planner.plan import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, STEP, Plan, Worker
+
+if TYPE_CHECKING:
+    from deepspeed.runtime.pipe.schedule import PipeInstruction
+
+# The instruction classes subclass DeepSpeed's, and importing DeepSpeed takes seconds: they are
+# imported inside the functions below, so that planning (which never lowers) does not pay for it.
 
 
 @dataclass
@@ -53,6 +46,18 @@ def lower(plan: Plan) -> dict[Worker, WorkerStream]:
 
 
 def _lower_worker(plan: Plan, worker: Worker, runners: dict) -> WorkerStream:
+    from ds_recycle.instructions import (
+        BackwardInput,
+        BackwardWeight,
+        ForwardPass,
+        LoadMicroBatch,
+        RecvActivation,
+        RecvGrad,
+        SendActivation,
+        SendGrad,
+        StaggeredStep,
+    )
+
     last_stage = plan.stages - 1
     free_slots: list[int] = []
     slot_of: dict[tuple[int, int], int] = {}
@@ -100,6 +105,9 @@ class StreamError(ValueError):
 def check_streams(streams: dict[Worker, WorkerStream]) -> None:
     """Raise StreamError unless every send has exactly one matching receive and the streams,
     run in lockstep with asynchronous sends and blocking receives, all finish."""
+    from ds_recycle.instructions import StaggeredStep
+    from ds_recycle.instructions.routed import MATCHING_SEND, RECVS, SENDS
+
     sends: dict[tuple, int] = {}
     recvs: dict[tuple, int] = {}
     for worker, stream in streams.items():
@@ -156,6 +164,8 @@ def check_streams(streams: dict[Worker, WorkerStream]) -> None:
 
 def stream_kinds(stream: WorkerStream) -> list[tuple[str, int, int]]:
     """The compute ops of a stream as (F|B|W|S, home, mb), the form the engine's events use."""
+    from ds_recycle.instructions import BackwardInput, BackwardWeight, ForwardPass, StaggeredStep
+
     names = {ForwardPass: FORWARD, BackwardInput: BACKWARD_INPUT, BackwardWeight: BACKWARD_WEIGHT}
     out = []
     for ins in stream.instructions:
