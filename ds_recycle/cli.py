@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ds_recycle.planner.limits import LIMITS, LimitError, check_costs, check_png, check_problem, duration_range
+from ds_recycle.runtime import launch_cli
 
 USAGE_ERROR = 2
 
@@ -527,6 +528,7 @@ COMMANDS: dict[str, Command] = {
         add_arguments=_add_plan_arguments,
         run=_run_plan,
     ),
+    "launch": Command(help=launch_cli.HELP, add_arguments=launch_cli.add_arguments, run=launch_cli.run),
 }
 """Implemented subcommands. ``simulate`` and ``launch`` are added here when they exist."""
 

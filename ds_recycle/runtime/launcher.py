@@ -1,20 +1,55 @@
-"""A single-host launcher that starts one process per rank and keeps survivors alive.
+"""A single-host launcher that starts one process per rank, hosts the coordinator store and keeps
+survivors alive.
 
-DeepSpeed's launcher kills every local rank as soon as one exits non-zero. This one lets each
-rank end on its own, bounds the whole run by a timeout, and on timeout kills only the processes
-it started (each rank runs in its own session, so its children go with it).
+DeepSpeed's launcher kills every local rank as soon as one exits non-zero. This one lets each rank
+end on its own, can start a rank that ended again (``respawn``) so that it re-joins, and bounds the
+whole run by a timeout. It kills only the processes it started: each rank runs in its own session,
+so a rank's children go with it.
+
+:class:`Launcher` runs one job (``ds-recycle launch``, docs/launch.md); :func:`launch` is the
+programmatic form the tests use. The launcher:
+
+- hosts a TCPStore (the store ``env://`` rendezvous and the ReCycle coordinator both use) and writes
+  ``world_size``, ``epoch/0`` and ``current_epoch`` under ``job/<generation>/`` before any rank starts;
+- runs a :class:`~ds_recycle.runtime.coordinator.Coordinator` (the one writer of ``pending``) and
+  tells it about every start and every exit it observes through waitpid;
+- prints one line per event: ``rank R pid P started``, ``rank R exited (code C | signal NAME)``,
+  ``rank R respawned (incarnation k)``, and the coordinator's lines.
+
+Exit rules: the job is *finished* when a rank that is still a member exits 0 (it completed
+training); there are no respawns after that. With ``respawn``, a rank that ends before the job is
+finished is started again after ``respawn_delay`` with its incarnation + 1. A rank exiting with
+``RESTART_EXIT_CODE`` asks for a restart of the whole job from its checkpoint: once every rank has
+ended, all ranks start again in generation + 1 (with ``respawn``), or the launcher ends (without).
+The exit code is 0 iff the job finished and every rank that was a member at the end exited 0;
+124 on timeout; 75 when a restart was requested without ``respawn``; 128 + signal when the launcher
+was interrupted; 1 otherwise.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
+
+from ds_recycle.runtime import protocol as proto
+from ds_recycle.runtime.coordinator import Coordinator, HeartbeatPolicy, RankExit, describe_returncode
+from ds_recycle.runtime.protocol import Membership
+
+TIMEOUT_EXIT_CODE = 124
+FAILURE_EXIT_CODE = 1
+POLL_SECONDS = 0.002
+"""The waitpid poll period: detection latency of a death is at most this plus the coordinator's tick."""
+LOG_PREFIX = "[ds-recycle launch]"
 
 
 @dataclass
@@ -33,10 +68,322 @@ class LaunchTimeout(RuntimeError):
     pass
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Everything ``ds-recycle launch`` takes; validated by the CLI before anything starts."""
+
+    argv: list[str]
+    """The script and its arguments, run as ``python argv...``."""
+    nproc: int
+    respawn: bool = False
+    respawn_delay: float = 1.0
+    timeout: float | None = None
+    """Wall-clock bound on the whole job in seconds (None: no bound)."""
+    log_dir: Path | None = None
+    """``rank<R>.log`` per rank (truncated at launch, appended across incarnations); None: inherit stdout."""
+    host: str = "127.0.0.1"
+    env: dict[str, str] | None = None
+    """Extra environment for the ranks (over os.environ)."""
+    python: str = sys.executable
+    heartbeat: HeartbeatPolicy = field(default_factory=HeartbeatPolicy)
+    grace: float = 5.0
+    """Seconds between SIGTERM and SIGKILL when the launcher stops ranks."""
+    restart_grace: float = 60.0
+    """After a rank asked for a restart, how long the others get to end before they are killed."""
+
+
+@dataclass
+class _Slot:
+    slot: int
+    proc: subprocess.Popen | None = None
+    incarnation: int = 0
+    returncode: int | None = None
+    """The last ended process's code (Popen convention); None while none has ended."""
+    respawn_at: float | None = None
+    """monotonic time at which a respawn is due."""
+    killed_at_timeout: bool = False
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+
+class Launcher:
+    """One job: ``Launcher(config).run()`` returns the launcher's exit code."""
+
+    def __init__(self, config: LaunchConfig, echo: Callable[[str], None] | None = None) -> None:
+        self.config = config
+        self._echo = echo or _print
+        self._echo_lock = threading.Lock()
+        self._procs_lock = threading.Lock()  # reaping vs. the coordinator's kill
+        self.slots = [_Slot(r) for r in range(config.nproc)]
+        self.generation = 0
+        self.token = secrets.token_hex(16)
+        self.finished = False
+        self.restart_requested = False
+        self._signal: int | None = None
+        self._server = None
+        self.coordinator: Coordinator | None = None
+
+    # ---- public --------------------------------------------------------------------------------
+
+    def run(self, handle_signals: bool = False) -> int:
+        """Run the job to its end; ``handle_signals`` turns SIGINT/SIGTERM into a clean stop (main thread only)."""
+        previous = self._install_signal_handlers() if handle_signals else {}
+        try:
+            self._host_store()
+            self._truncate_logs()
+            self._start_generation()
+            return self._loop()
+        finally:
+            self._kill_all()
+            if self.coordinator is not None:
+                self.coordinator.stop()
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def results(self) -> list[RankResult]:
+        return [
+            RankResult(s.slot, None if s.killed_at_timeout else s.returncode, self._read_log(s.slot))
+            for s in self.slots
+        ]
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.config.host, self._server.port
+
+    # ---- setup ---------------------------------------------------------------------------------
+
+    def _host_store(self) -> None:
+        import torch.distributed as dist
+
+        self._server = dist.TCPStore(
+            self.config.host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+        )
+        self.log(f"store listening on {self.config.host}:{self._server.port}")
+
+    def _start_generation(self) -> None:
+        import torch.distributed as dist
+
+        g, n = self.generation, self.config.nproc
+        store = dist.PrefixStore(proto.prefix(g), self._server)
+        store.set(proto.WORLD_SIZE, str(n))
+        store.set(proto.epoch_key(0), Membership(0, tuple(range(n)), 0).to_json())
+        store.set(proto.PENDING, proto.changes_to_json([]))
+        store.set(proto.CURRENT_EPOCH, "0")
+        host, port = self.address
+        self.coordinator = Coordinator(
+            host, port, g, n, self.token, log=self.log, kill=self._kill_incarnation, policy=self.config.heartbeat
+        )
+        self.coordinator.start()
+        self.restart_requested = False
+        for s in self.slots:
+            s.incarnation, s.respawn_at = 0, None
+            self._spawn(s)
+
+    def _spawn(self, s: _Slot) -> None:
+        config = self.config
+        host, port = self.address
+        env = {**os.environ, **(config.env or {})}
+        env.setdefault("DS_ACCELERATOR", "cpu")
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.pop("LOCAL_SIZE", None)  # would turn on DeepSpeed's shm all-reduce (66 MB a rank, leaked on SIGKILL)
+        env.update(
+            {
+                "RANK": str(s.slot),
+                "LOCAL_RANK": str(s.slot),
+                "WORLD_SIZE": str(config.nproc),
+                "LOCAL_WORLD_SIZE": str(config.nproc),
+                "MASTER_ADDR": host,
+                "MASTER_PORT": str(port),
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "TORCHELASTIC_RESTART_COUNT": str(self.generation),
+                "TORCH_CPP_LOG_LEVEL": "ERROR",
+                proto.ENV_STORE: f"{host}:{port}",
+                proto.ENV_TOKEN: self.token,
+                proto.ENV_INCARNATION: str(s.incarnation),
+                proto.ENV_GENERATION: str(self.generation),
+            }
+        )
+        cmd = [config.python, *config.argv]
+        started = time.time()
+        if config.log_dir is None:
+            proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        else:
+            with open(Path(config.log_dir) / f"rank{s.slot}.log", "a") as log:
+                proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        with self._procs_lock:
+            s.proc = proc
+        self.coordinator.rank_started(s.slot, s.incarnation, started)
+        self.log(f"rank {s.slot} pid {proc.pid} started")
+        if s.incarnation > 0:
+            self.log(f"rank {s.slot} respawned (incarnation {s.incarnation}, generation {self.generation})")
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    def _loop(self) -> int:
+        config = self.config
+        deadline = None if config.timeout is None else time.monotonic() + config.timeout
+        restart_deadline: float | None = None
+        next_straggler_check = 0.0
+        while True:
+            if deadline is not None and time.monotonic() >= deadline:
+                self.log(f"timeout after {config.timeout:g} s: killing every rank")
+                for s in self.slots:
+                    s.killed_at_timeout = s.running
+                self._kill_all()
+                return TIMEOUT_EXIT_CODE
+            if self._signal is not None:
+                return self._stop_on_signal()
+            for s in self.slots:
+                self._reap(s)
+            if self.finished:
+                for s in self.slots:
+                    s.respawn_at = None
+            now = time.monotonic()
+            for s in self.slots:
+                if s.respawn_at is not None and now >= s.respawn_at and not self.finished:
+                    s.respawn_at = None
+                    s.incarnation += 1
+                    self._spawn(s)
+            running = [s for s in self.slots if s.running]
+            if self.restart_requested:
+                if restart_deadline is None:
+                    restart_deadline = now + config.restart_grace
+                if running and now >= restart_deadline:
+                    self.log(f"ranks still running {config.restart_grace:g} s after the restart request: killing them")
+                    self._kill_all()
+                    continue
+                if not running:
+                    restart_deadline = None
+                    if not config.respawn:
+                        self.log("a rank asked for a restart from the checkpoint; without --respawn the job ends")
+                        return proto.RESTART_EXIT_CODE
+                    self.generation += 1
+                    self.coordinator.stop()
+                    self.log(f"restarting every rank from the checkpoint (generation {self.generation})")
+                    self._start_generation()
+                    continue
+            elif not running and not any(s.respawn_at is not None for s in self.slots):
+                return self._final_code()
+            elif self.finished and running and now >= next_straggler_check:
+                next_straggler_check = now + 0.2
+                self._end_stragglers(running)
+            time.sleep(POLL_SECONDS)
+
+    def _reap(self, s: _Slot, respawn: bool = True) -> None:
+        """If the slot's process ended: log it, tell the coordinator, apply the exit rules."""
+        with self._procs_lock:
+            if s.proc is None or s.proc.returncode is not None:
+                return
+            code = s.proc.poll()
+            if code is None:
+                return
+            observed = time.time()
+            _killpg(s.proc.pid)  # the rank's leftover children, if any
+        s.returncode = code
+        self.log(f"rank {s.slot} exited ({describe_returncode(code)})")
+        self.coordinator.rank_exited(RankExit(s.slot, s.incarnation, code, observed))
+        if code == proto.RESTART_EXIT_CODE:
+            if not self.restart_requested:
+                self.log(f"rank {s.slot} asked for a restart of the job from its checkpoint")
+            self.restart_requested = True
+            return
+        if self.restart_requested or not respawn:
+            return
+        if code == 0 and not self.finished and s.slot in self._membership().members:
+            self.finished = True
+            self.log(f"rank {s.slot} completed training: the job is finished, no more respawns")
+        if self.config.respawn and not self.finished:
+            s.respawn_at = time.monotonic() + self.config.respawn_delay
+
+    def _end_stragglers(self, running: list[_Slot]) -> None:
+        """Once finished, a process that is not a member (a joiner nobody will admit) is stopped."""
+        members = self._membership().members
+        if any(s.slot in members for s in running):
+            return
+        self.log("the job is finished and no member is running: stopping the remaining processes")
+        self._terminate(running)
+
+    def _final_code(self) -> int:
+        members = self._membership().members
+        bad = [s.slot for s in self.slots if s.slot in members and s.returncode != 0]
+        if self.finished and not bad:
+            self.log("job finished: every member exited 0")
+            return 0
+        if not self.finished:
+            self.log("job ended without finishing: no member completed training")
+        else:
+            self.log(f"job finished, but members {bad} did not exit 0")
+        return FAILURE_EXIT_CODE
+
+    # ---- stopping ------------------------------------------------------------------------------
+
+    def _install_signal_handlers(self) -> dict:
+        def on_signal(signum, frame):
+            self._signal = signum
+
+        return {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def _stop_on_signal(self) -> int:
+        name = signal.Signals(self._signal).name
+        self.log(f"got {name}: sending SIGTERM to every rank, SIGKILL after {self.config.grace:g} s")
+        self.finished = True  # no respawns
+        self._terminate([s for s in self.slots if s.running])
+        return 128 + self._signal
+
+    def _terminate(self, slots: list[_Slot]) -> None:
+        """SIGTERM to each rank's process group, then SIGKILL after the grace period (bounded)."""
+        with self._procs_lock:
+            for s in slots:
+                if s.running:
+                    _killpg(s.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.config.grace
+        while time.monotonic() < deadline and any(s.running for s in slots):
+            for s in slots:
+                self._reap(s, respawn=False)
+            time.sleep(0.01)
+        self._kill_all()
+
+    def _kill_all(self) -> None:
+        """SIGKILL every rank still running (its whole process group), and reap it."""
+        with self._procs_lock:
+            alive = [s for s in self.slots if s.running]
+            for s in alive:
+                _killpg(s.proc.pid)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(s.running for s in alive):
+            for s in alive:
+                self._reap(s, respawn=False)
+            time.sleep(0.005)
+
+    def _kill_incarnation(self, slot: int, incarnation: int) -> None:
+        """The coordinator's callback for a hung member: SIGKILL it if it is still that incarnation."""
+        s = self.slots[slot]
+        with self._procs_lock:
+            if s.incarnation == incarnation and s.running:
+                _killpg(s.proc.pid)
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _membership(self) -> Membership:
+        return self.coordinator.membership()
+
+    def log(self, message: str) -> None:
+        with self._echo_lock:
+            self._echo(f"{LOG_PREFIX} {message}")
+
+    def _truncate_logs(self) -> None:
+        if self.config.log_dir is None:
+            return
+        for s in self.slots:
+            (Path(self.config.log_dir) / f"rank{s.slot}.log").write_text("")
+
+    def _read_log(self, slot: int) -> str:
+        if self.config.log_dir is None:
+            return ""
+        path = Path(self.config.log_dir) / f"rank{slot}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
 
 
 def launch(
@@ -46,46 +393,47 @@ def launch(
     log_dir: str | Path,
     env: dict[str, str] | None = None,
     python: str = sys.executable,
+    *,
+    respawn: bool = False,
+    respawn_delay: float = 1.0,
+    heartbeat: HeartbeatPolicy | None = None,
+    echo: Callable[[str], None] | None = None,
 ) -> list[RankResult]:
-    """Run ``python argv...`` as ranks 0..world_size-1 (env:// rendezvous on localhost).
+    """Run ``python argv...`` as ranks 0..world_size-1 under a :class:`Launcher`.
 
-    Returns one result per rank. Ranks still running after ``timeout`` seconds are killed and
-    reported with ``returncode=None``.
+    Returns one result per rank (its last process). Ranks still running after ``timeout`` seconds
+    are killed and reported with ``returncode=None``. Events go to ``echo`` (default: nowhere).
     """
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    procs: list[tuple[subprocess.Popen, Path]] = []
-    for rank in range(world_size):
-        rank_env = {
-            **os.environ,
-            **(env or {}),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_WORLD_SIZE": str(world_size),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "DS_ACCELERATOR": "cpu",
-            "OMP_NUM_THREADS": (env or {}).get("OMP_NUM_THREADS", "1"),
-        }
-        log_path = log_dir / f"rank{rank}.log"
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(
-                [python, *argv], env=rank_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        procs.append((proc, log_path))
+    config = LaunchConfig(
+        argv=list(argv),
+        nproc=world_size,
+        respawn=respawn,
+        respawn_delay=respawn_delay,
+        timeout=timeout,
+        log_dir=log_dir,
+        env=env,
+        python=python,
+        heartbeat=heartbeat or HeartbeatPolicy(),
+    )
+    launcher = Launcher(config, echo=echo or (lambda line: None))
+    launcher.run()
+    return launcher.results()
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(p.poll() is None for p, _ in procs):
-        time.sleep(0.05)
-    killed = set()
-    for rank, (proc, _) in enumerate(procs):
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            killed.add(rank)
-    return [
-        RankResult(rank, None if rank in killed else proc.returncode, path.read_text())
-        for rank, (proc, path) in enumerate(procs)
-    ]
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
+def _killpg(pid: int, sig: int = signal.SIGKILL) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,336 @@
+"""The coordinator: the one writer of ``pending`` (the job's list of membership changes).
+
+``ds-recycle launch`` runs one :class:`Coordinator` per generation, in a thread of its own with its
+own store client (a blocking call on a TCPStore client blocks every other thread using that client).
+Each tick it:
+
+1. takes the rank exits that the launcher observed through waitpid (:meth:`Coordinator.rank_exited`):
+   a member of the current epoch that ended non-zero or by a signal, and is not already failed or
+   leaving in ``pending``, is appended as a ``failed`` change and ``alert`` is incremented;
+2. reads the new requests (``request_count``, ``request/<k>``, k = 1, 2, ...) and appends the valid
+   ones: the token matches, the kind is ``join`` or ``leave``, the slot is in range, a ``leave``
+   comes from a member that is not already on its way out, a ``join`` is for a slot that is not a
+   member (or whose last change is a failure or a leave still to be applied) and has no join pending.
+   A refused request changes nothing; both outcomes are logged;
+3. checks heartbeats: a member whose last heartbeat (of its current incarnation) is older than the
+   timeout is appended as ``failed`` and its process is killed through the launcher's callback, so a
+   hung (SIGSTOPped) process can never come back as a member. The timeout is derived from the
+   iteration time the trainers publish: ``max(min_timeout, factor * max iteration_seconds)``. A slot
+   is not checked before its first heartbeat, except that once the job is seen to heartbeat at all,
+   a member with no heartbeat ``startup_timeout`` seconds after its start is declared failed too.
+
+The coordinator never decides membership itself: the members do, at iteration boundaries, from
+``pending`` (see protocol.py). "Member" here always means a member of the epoch in
+``current_epoch``, read fresh from the store.
+"""
+
+from __future__ import annotations
+
+import hmac
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+from ds_recycle.runtime import protocol as proto
+from ds_recycle.runtime.protocol import Change, Membership, Request
+
+STORE_OP_SECONDS = 30.0
+"""Bound on any single store operation of the coordinator (the store is local; a healthy op takes µs)."""
+TICK_SECONDS = 0.005
+"""How often requests are polled; an observed exit wakes the coordinator at once."""
+HEARTBEAT_CHECK_SECONDS = 0.05
+MISSING_REQUEST_SECONDS = 5.0
+"""``request_count`` was incremented but ``request/<k>`` never written (the poster died in between):
+after this long the index is skipped, so one dead poster cannot stall every later request."""
+
+
+@dataclass(frozen=True)
+class HeartbeatPolicy:
+    """When a member's heartbeat is stale. Trainers beat every 0.1 s (membership.HEARTBEAT_SECONDS)."""
+
+    min_timeout: float = 1.0
+    """T_min: never declare a member dead sooner than this after its last heartbeat."""
+    factor: float = 3.0
+    """k: the timeout is at least k times the slowest published iteration time."""
+    startup_timeout: float = 120.0
+    """A member must heartbeat this long after its process started (once the job heartbeats at all)."""
+    enabled: bool = True
+
+    def timeout(self, iteration_seconds: float | None) -> float:
+        if iteration_seconds is None:
+            return self.min_timeout
+        return max(self.min_timeout, self.factor * iteration_seconds)
+
+
+@dataclass(frozen=True)
+class RankExit:
+    """One process end observed by the launcher's waitpid."""
+
+    slot: int
+    incarnation: int
+    returncode: int
+    """Popen's convention: >= 0 an exit code, < 0 the negated signal number."""
+    observed: float
+    """Wall time (time.time()) when waitpid returned it."""
+
+    def describe(self) -> str:
+        return describe_returncode(self.returncode)
+
+
+def describe_returncode(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"signal {-returncode}"
+    return f"code {returncode}"
+
+
+@dataclass
+class _Incarnation:
+    number: int
+    started: float
+    """Wall time at spawn; a heartbeat older than this belongs to an earlier incarnation."""
+    running: bool = True
+
+
+def connect(host: str, port: int, generation: int, timeout: float = STORE_OP_SECONDS):
+    """A new client of the job store under the generation's prefix."""
+    import torch.distributed as dist
+
+    base = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+    return dist.PrefixStore(proto.prefix(generation), base)
+
+
+class Coordinator:
+    """Owns ``pending`` for one generation of the job (see the module docstring)."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        generation: int,
+        world_size: int,
+        token: str,
+        log: Callable[[str], None],
+        kill: Callable[[int, int], None],
+        policy: HeartbeatPolicy | None = None,
+    ) -> None:
+        """``kill(slot, incarnation)`` must SIGKILL that process if it is still the slot's current one."""
+        self.host, self.port, self.generation = host, port, generation
+        self.world_size = world_size
+        self.token = token
+        self.policy = policy or HeartbeatPolicy()
+        self._log = log
+        self._kill = kill
+        self._exits: queue.Queue[RankExit] = queue.Queue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # guards _incarnations and _pending (read by other threads)
+        self._incarnations: dict[int, _Incarnation] = {}
+        self._pending: list[Change] = []
+        self._next_request = 1
+        self._missing_since: float | None = None
+        self._job_heartbeats = False
+        self._last_heartbeat_check = 0.0
+        self._store = None
+        self._query = connect(host, port, generation)  # for membership() from other threads
+        self._query_lock = threading.Lock()
+        self.error: BaseException | None = None
+
+    # ---- the launcher's side -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._store = connect(self.host, self.port, self.generation)
+        if self._store.check([proto.PENDING]):
+            self._pending = proto.changes_from_json(self._store.get(proto.PENDING))
+        self._thread = threading.Thread(target=self._run, name=f"recycle-coordinator-{self.generation}", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Process what is queued, then end the thread (bounded by ``timeout``)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def rank_started(self, slot: int, incarnation: int, wall_time: float) -> None:
+        with self._lock:
+            self._incarnations[slot] = _Incarnation(incarnation, wall_time)
+
+    def rank_exited(self, exit: RankExit) -> None:
+        """Called by the launcher right after waitpid; the failure (if any) is published by the thread."""
+        with self._lock:
+            current = self._incarnations.get(exit.slot)
+            if current is not None and current.number == exit.incarnation:
+                current.running = False
+        self._exits.put(exit)
+
+    def membership(self) -> Membership:
+        """The current epoch's membership, read fresh from the store."""
+        with self._query_lock:
+            return read_membership(self._query)
+
+    def pending(self) -> list[Change]:
+        with self._lock:
+            return list(self._pending)
+
+    # ---- the thread ------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                stopping = self._stop.is_set()
+                self._drain_exits()
+                self._poll_requests()
+                if self.policy.enabled and time.monotonic() - self._last_heartbeat_check >= HEARTBEAT_CHECK_SECONDS:
+                    self._last_heartbeat_check = time.monotonic()
+                    self._check_heartbeats()
+                if stopping:
+                    return
+                try:
+                    exit = self._exits.get(timeout=TICK_SECONDS)
+                except queue.Empty:
+                    continue
+                self._on_exit(exit)
+        except BaseException as exc:  # the launcher reports it; the ranks keep running meanwhile
+            self.error = exc
+            self._log(f"coordinator stopped: {type(exc).__name__}: {exc}")
+
+    def _drain_exits(self) -> None:
+        while True:
+            try:
+                exit = self._exits.get_nowait()
+            except queue.Empty:
+                return
+            self._on_exit(exit)
+
+    def _on_exit(self, exit: RankExit) -> None:
+        if exit.returncode == 0 or exit.returncode == proto.RESTART_EXIT_CODE:
+            return
+        membership = read_membership(self._store)
+        if exit.slot not in membership.members or self._out(exit.slot):
+            return
+        self._append(proto.FAILED, exit.slot, exit.observed, exit.describe(), alert=True)
+        latency_ms = 1000 * (time.time() - exit.observed)
+        self._log(
+            f"published failure of slot {exit.slot} ({exit.describe()}) in epoch {membership.epoch}, "
+            f"{latency_ms:.1f} ms after waitpid saw the exit"
+        )
+
+    def _poll_requests(self) -> None:
+        count = int(self._store.add(proto.REQUEST_COUNT, 0))
+        while self._next_request <= count:
+            key = proto.request_key(self._next_request)
+            if not self._store.check([key]):
+                now = time.monotonic()
+                if self._missing_since is None:
+                    self._missing_since = now
+                if now - self._missing_since < MISSING_REQUEST_SECONDS:
+                    return
+                self._log(f"skipped request {self._next_request}: counted but never written")
+            else:
+                self._handle_request(self._next_request, self._store.get(key))
+            self._missing_since = None
+            self._next_request += 1
+
+    def _handle_request(self, index: int, text: bytes) -> None:
+        try:
+            request = Request.from_json(text)
+        except (ValueError, KeyError, TypeError) as exc:
+            self._log(f"refused request {index}: malformed ({type(exc).__name__}: {exc})")
+            return
+        reason = self._refusal(request)
+        who = f"{request.kind} request for slot {request.slot} from pid {request.pid}"
+        if reason:
+            self._log(f"refused {who}: {reason}")
+            return
+        self._append(request.kind, request.slot, request.time, f"pid {request.pid}")
+        self._log(f"accepted {request.kind} of slot {request.slot} (pid {request.pid})")
+
+    def _refusal(self, request: Request) -> str:
+        """Why ``request`` is refused, or "" if it is valid."""
+        if not hmac.compare_digest(request.token.encode(), self.token.encode()):
+            return "wrong token"
+        if request.kind not in proto.REQUEST_KINDS:
+            return f"unknown kind {request.kind!r} (allowed: {', '.join(proto.REQUEST_KINDS)})"
+        if not 0 <= request.slot < self.world_size:
+            return f"slot out of range (0..{self.world_size - 1})"
+        member = request.slot in read_membership(self._store).members
+        last = self._last_change(request.slot)
+        leaving = last is not None and last.kind in (proto.FAILED, proto.LEAVE)
+        if request.kind == proto.LEAVE:
+            if not member:
+                return "not a member of the current epoch"
+            if leaving:
+                return f"already {'failed' if last.kind == proto.FAILED else 'leaving'}"
+            return ""
+        if member and not leaving:
+            return "already a member of the current epoch"
+        if not member and last is not None and last.kind == proto.JOIN:
+            return "a join of this slot is already pending"
+        return ""
+
+    def _check_heartbeats(self) -> None:
+        membership = read_membership(self._store)
+        now = time.time()
+        worst_iteration = None
+        for slot in membership.members:
+            key = proto.iteration_seconds_key(slot)
+            if self._store.check([key]):
+                seconds = float(self._store.get(key))
+                worst_iteration = seconds if worst_iteration is None else max(worst_iteration, seconds)
+        timeout = self.policy.timeout(worst_iteration)
+        for slot in membership.members:
+            with self._lock:
+                incarnation = self._incarnations.get(slot)
+            if incarnation is None or not incarnation.running or self._out(slot):
+                continue
+            key = proto.heartbeat_key(slot)
+            beat = float(self._store.get(key)) if self._store.check([key]) else None
+            if beat is not None and beat >= incarnation.started:
+                self._job_heartbeats = True
+                age = now - beat
+                if age > timeout:
+                    self._declare_hung(
+                        slot, incarnation.number, f"heartbeat stale {age:.2f} s (timeout {timeout:.2f} s)"
+                    )
+            elif self._job_heartbeats and now - incarnation.started > self.policy.startup_timeout:
+                self._declare_hung(
+                    slot, incarnation.number, f"no heartbeat {now - incarnation.started:.1f} s after start"
+                )
+
+    def _declare_hung(self, slot: int, incarnation: int, detail: str) -> None:
+        self._append(proto.FAILED, slot, time.time(), detail, alert=True)
+        self._log(f"published failure of slot {slot}: {detail}; killing its process")
+        self._kill(slot, incarnation)
+
+    # ---- pending -------------------------------------------------------------------------------
+
+    def _append(self, kind: str, slot: int, when: float, detail: str, alert: bool = False) -> None:
+        with self._lock:
+            self._pending.append(Change(len(self._pending), kind, slot, when, detail))
+            text = proto.changes_to_json(self._pending)
+        self._store.set(proto.PENDING, text)
+        if alert:
+            self._store.add(proto.ALERT, 1)
+
+    def _last_change(self, slot: int) -> Change | None:
+        with self._lock:
+            for change in reversed(self._pending):
+                if change.slot == slot:
+                    return change
+        return None
+
+    def _out(self, slot: int) -> bool:
+        """The slot's last change is a failure or a leave: it is on its way out already."""
+        last = self._last_change(slot)
+        return last is not None and last.kind in (proto.FAILED, proto.LEAVE)
+
+
+def read_membership(store) -> Membership:
+    epoch = int(store.get(proto.CURRENT_EPOCH))
+    return Membership.from_json(store.get(proto.epoch_key(epoch)))

@@ -1,0 +1,118 @@
+"""``ds-recycle launch``: the command-line form of :class:`~ds_recycle.runtime.launcher.Launcher`.
+
+Arguments are checked before anything starts; a bad one exits 2 with one line that names it and
+the allowed values. Nothing heavy is imported here: torch comes in only when the job runs, so
+``ds-recycle --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+MAX_NPROC = 1024
+"""More ranks than this on one host is a typo, not a job."""
+USAGE_ERROR = 2
+HELP = "start N ranks on this host, host the coordinator store, detect failures and respawn ranks"
+
+
+class LaunchUsageError(Exception):
+    """A bad argument of ``ds-recycle launch``: the message names it and the allowed values."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nproc", type=int, required=True, metavar="N", help="number of ranks (slots) to start")
+    parser.add_argument(
+        "--respawn", action="store_true", help="start a rank that ended again (it re-joins); restart on exit code 75"
+    )
+    parser.add_argument(
+        "--respawn-delay", type=float, default=1.0, metavar="S", help="seconds before a respawn (default 1)"
+    )
+    parser.add_argument("--timeout", type=float, default=None, metavar="S", help="kill everything after S seconds")
+    parser.add_argument("--log-dir", default=None, metavar="DIR", help="write rank<R>.log here (default: stdout)")
+    parser.add_argument("--host", default="127.0.0.1", help="address the store listens on (default loopback)")
+    parser.add_argument(
+        "--heartbeat-min-timeout",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="a member is hung after at least S seconds without heartbeat (default 1)",
+    )
+    parser.add_argument(
+        "--heartbeat-factor",
+        type=float,
+        default=3.0,
+        metavar="K",
+        help="... and at least K times the slowest published iteration time (default 3)",
+    )
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="a member must heartbeat within S seconds of its start (default 120)",
+    )
+    parser.add_argument("--no-heartbeat", action="store_true", help="do not declare hung members failed")
+    parser.add_argument(
+        "--grace", type=float, default=5.0, metavar="S", help="seconds from SIGTERM to SIGKILL when stopping ranks"
+    )
+    parser.add_argument("script", metavar="SCRIPT", help="the training script (run with this Python)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's arguments")
+
+
+def run(args: argparse.Namespace) -> int:
+    # The error is handled here rather than raised as ds_recycle.cli.UsageError: under
+    # ``python -m ds_recycle.cli`` that class exists twice (__main__ and ds_recycle.cli).
+    try:
+        _validate(args)
+    except LaunchUsageError as exc:
+        print(f"ds-recycle launch: error: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    from ds_recycle.runtime.coordinator import HeartbeatPolicy
+    from ds_recycle.runtime.launcher import LaunchConfig, Launcher
+
+    config = LaunchConfig(
+        argv=[args.script, *args.script_args],
+        nproc=args.nproc,
+        respawn=args.respawn,
+        respawn_delay=args.respawn_delay,
+        timeout=args.timeout,
+        log_dir=None if args.log_dir is None else Path(args.log_dir),
+        host=args.host,
+        python=sys.executable,
+        heartbeat=HeartbeatPolicy(
+            min_timeout=args.heartbeat_min_timeout,
+            factor=args.heartbeat_factor,
+            startup_timeout=args.startup_timeout,
+            enabled=not args.no_heartbeat,
+        ),
+        grace=args.grace,
+    )
+    return Launcher(config).run(handle_signals=True)
+
+
+def _validate(args: argparse.Namespace) -> None:
+    error = LaunchUsageError
+    if not 1 <= args.nproc <= MAX_NPROC:
+        raise error(f"--nproc {args.nproc}: must be an integer in 1..{MAX_NPROC}")
+    for name in ("respawn_delay", "grace", "heartbeat_min_timeout", "startup_timeout"):
+        value = getattr(args, name)
+        if not value >= 0:  # also catches nan
+            raise error(f"--{name.replace('_', '-')} {value:g}: must be >= 0 seconds")
+    if not args.heartbeat_factor > 0:
+        raise error(f"--heartbeat-factor {args.heartbeat_factor:g}: must be > 0")
+    if args.timeout is not None and not args.timeout > 0:
+        raise error(f"--timeout {args.timeout:g}: must be > 0 seconds (leave it out for no bound)")
+    script = Path(args.script)
+    if not script.is_file():
+        raise error(f"SCRIPT {args.script}: no such file (expected a Python script to run as each rank)")
+    if args.log_dir is not None:
+        log_dir = Path(args.log_dir)
+        try:
+            log_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise error(f"--log-dir {args.log_dir}: cannot create it ({exc.strerror})") from None
+        if not os.access(log_dir, os.W_OK | os.X_OK):
+            raise error(f"--log-dir {args.log_dir}: not writable (expected a directory this user can write)")
