@@ -116,9 +116,12 @@ def _split_points(outputs, inputs, params) -> tuple[list[dict], list]:
 
 
 def _backward_input_with_path(outputs, grads, inputs, wanted, params, path: WeightGradPath):
-    fallback_ids = path.fallback_params
-    fallback = [p for p in params if p.requires_grad and id(p) in fallback_ids] if wanted else []
-    in_b = [p for p in params if p.requires_grad and (not wanted or id(p) not in fallback_ids)]
+    fallback_ids = path.fallback_params if wanted else ()
+    if fallback_ids:
+        fallback = [p for p in params if p.requires_grad and id(p) in fallback_ids]
+        in_b = [p for p in params if p.requires_grad and id(p) not in fallback_ids]
+    else:
+        fallback, in_b = [], [p for p in params if p.requires_grad]
     targets = [inputs[i] for i in wanted]
     param_groups, handles = _split_points(outputs, targets, fallback) if fallback else ([], [])
     saved = [t.grad for t in targets]

@@ -50,7 +50,7 @@ _SMALL_MODULES: tuple[type[nn.Module], ...] = (
 _AUTOCAST_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-@dataclass
+@dataclass(slots=True)
 class DeferredGemm:
     """One Linear call's parameter gradients, waiting for W."""
 
@@ -133,6 +133,8 @@ def _linear_forward(module: nn.Linear, path: WeightGradPath, x: torch.Tensor) ->
     weight, bias = module.weight, module.bias
     if not (torch.is_grad_enabled() and weight.requires_grad and _covered_input(x)):
         return F.linear(x, weight, bias)
+    if not (x.requires_grad or (bias is not None and bias.requires_grad)):
+        return F.linear(x, weight, bias)  # the output would have no graph to hang the record on
     device = x.device.type
     dtype = None
     if torch.is_autocast_enabled(device):
@@ -141,7 +143,41 @@ def _linear_forward(module: nn.Linear, path: WeightGradPath, x: torch.Tensor) ->
             return F.linear(x, weight, bias)
     elif x.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
         return F.linear(x, weight, bias)
-    return _DeferredLinear.apply(x, weight, bias, path, dtype)
+    if _saved_tensors_hooks_active():
+        # Activation checkpointing (or offloading) decides what the graph keeps: save the input
+        # through its hooks.
+        return _DeferredLinear.apply(x, weight, bias, path, dtype)
+    if dtype is not None:
+        x = x.to(dtype)  # what autocast does to the input (an uncached cast: x is no leaf)
+    out = F.linear(x, weight.detach(), bias)
+    # F.linear on a contiguous input is addmm (mm without bias) on the input viewed as 2-D, then a
+    # view back: hook the addmm node, whose gradient is already 2-D, so W runs one GEMM per record.
+    node = out.grad_fn if x.dim() == 2 else out.grad_fn.next_functions[0][0]
+    node.register_prehook(functools.partial(_record, path, weight, x.view(-1, x.shape[-1])))
+    return out
+
+
+def _saved_tensors_hooks_active() -> bool:
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return True if top is None else top(False) is not None
+
+
+def _record(path: WeightGradPath, weight: nn.Parameter, x: torch.Tensor, grad_outputs):
+    """Node pre-hook on a Linear's output: queue the weight GEMM (or, outside B, run it now)."""
+    grad = grad_outputs[0]
+    if grad is None:
+        return None
+    if path.tape is not None:
+        path.tape.append(DeferredGemm(weight, x, grad))
+    else:
+        _accumulate({weight: _weight_grad(grad, x)})
+    return None
+
+
+def _weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``grad`` and ``x`` are 2-D. autograd's mm_mat2_backward for ``W.t()`` (a column-major mat2),
+    followed by TBackward."""
+    return grad.t().mm(x)
 
 
 def _covered_input(x: torch.Tensor) -> bool:
@@ -181,25 +217,33 @@ class _DeferredLinear(torch.autograd.Function):
 
 
 def run_deferred_gemms(gemms: Iterable[DeferredGemm]) -> None:
-    """W: accumulate the queued weight gradients into ``param.grad``, as AccumulateGrad would.
+    """W: accumulate the queued weight (and bias) gradients into ``param.grad``, as
+    AccumulateGrad would.
 
-    Several calls of one weight in a micro-batch are summed in the compute dtype, in the order
+    Several calls of one parameter in a micro-batch are summed in the compute dtype, in the order
     their gradients arrived, before the cast to the parameter's dtype."""
-    per_param: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
-
-    def add(param: nn.Parameter, grad: torch.Tensor) -> None:
-        key = id(param)
-        per_param[key] = (param, per_param[key][1] + grad) if key in per_param else (param, grad)
-
+    grads: dict[nn.Parameter, torch.Tensor] = {}
     for gemm in gemms:
-        add(gemm.weight, gemm.grad_output.t().mm(gemm.inputs))
+        weight = gemm.weight
+        grad = gemm.grad_output.t().mm(gemm.inputs)
+        earlier = grads.get(weight)
+        grads[weight] = grad if earlier is None else earlier + grad
         if gemm.grad_bias is not None:
-            add(gemm.bias, gemm.grad_bias)
+            earlier = grads.get(gemm.bias)
+            grads[gemm.bias] = gemm.grad_bias if earlier is None else earlier + gemm.grad_bias
+    _accumulate(grads)
+
+
+def _accumulate(grads: dict[nn.Parameter, torch.Tensor]) -> None:
+    targets, additions = [], []
     with torch.no_grad():
-        for param, grad in per_param.values():
+        for param, grad in grads.items():
             if grad.dtype != param.dtype:
                 grad = grad.to(param.dtype)
             if param.grad is None:
                 param.grad = grad
             else:
-                param.grad += grad
+                targets.append(param.grad)
+                additions.append(grad)
+        if targets:
+            torch._foreach_add_(targets, additions)
