@@ -24,7 +24,7 @@ import torch
 import torch.utils.checkpoint
 from deepspeed.runtime.pipe import p2p, schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
-from deepspeed.utils import groups, logger
+from deepspeed.utils import groups
 
 from ds_recycle.config import RecycleConfig, RecycleConfigError
 from ds_recycle.engine import autocast_p2p
@@ -44,6 +44,7 @@ from ds_recycle.instructions import (
     SendGrad,
     StaggeredStep,
 )
+from ds_recycle.log import logger
 from ds_recycle.planner.cache import PlanCache
 from ds_recycle.planner.fault_free import fault_free_plan
 from ds_recycle.planner.list_scheduler import ScheduleOptions
@@ -52,7 +53,7 @@ from ds_recycle.planner.plan import FORWARD, CostModel, Plan
 from ds_recycle.runtime import rejoin
 from ds_recycle.runtime.distributed import GROUP_TIMEOUT_SECONDS, membership_agent
 from ds_recycle.runtime.events import IterationStats, MembershipChange, Monitor, PlanSummary
-from ds_recycle.runtime.groups import RecycleGrid, rebuild_world
+from ds_recycle.runtime.groups import RecycleGrid, bury, rebuild_world
 from ds_recycle.runtime.membership import EpochSuperseded, Progress, connect
 from ds_recycle.runtime.protocol import FAILED, JOIN, LEAVE, Decision, Membership
 from ds_recycle.runtime.waiting import FailureWatcher, PeerFailure, Waiter
@@ -143,6 +144,8 @@ class RecyclePipelineEngine(PipelineEngine):
         self.data_parallel_group = grid.get_data_parallel_group()
         groups.mpu = grid
         p2p._grid = grid
+        if getattr(self, "channel", None) is not None:
+            bury(work for work, _ in self.channel.pending_sends)
         self.channel = PeerChannel(grid, self.device, self.waiter)
         self.stepper = StageStepper(self, self.channel, synchronous=not self.recycle.staggered_optimizer)
         self.plan = self._current_plan_and_stream()[0]
@@ -205,8 +208,8 @@ class RecyclePipelineEngine(PipelineEngine):
             raise SystemExit(0)
         fault_free_before = self._fault_free_iteration_time()
         previous = self.grid.membership.members
+        self._check_survivable(decision.next)
         self._enter_epoch(decision.next, previous)
-        self._check_survivable()
         self._check_data_available()
         self._report_change(decision, previous, time.time() - began, fault_free_before)
 
@@ -224,19 +227,23 @@ class RecyclePipelineEngine(PipelineEngine):
         logger.info(f"ReCycle: slot {self.slot} stopped by a failure at iteration {self.global_steps}: {failure}")
         for _ in range(MAX_RECOVERY_ROUNDS):
             running = self.grid.membership.members
-            seen = self.watcher.current_alerts()
             progress = Progress(self.global_steps, self.stepper.stepped_inflight)
             decision = self.agent.recover(progress, running, self.recycle.detect_timeout, GROUP_TIMEOUT_SECONDS)
-            self.watcher.acknowledge(seen)
+            self.watcher.acknowledge(self.agent.failures_applied())
+            logger.info(
+                f"ReCycle: slot {self.slot} recovery decision: epoch {decision.next.epoch} members "
+                f"{list(decision.next.members)}, restart at iteration {decision.iteration} (this slot finished "
+                f"{progress.done}, stepped in flight: {progress.stepped})"
+            )
             began = time.time()
             rolled_back = self._roll_back_to(decision.iteration)
             if self.slot not in decision.next.members:
                 logger.info(f"ReCycle: slot {self.slot} left the job during recovery at iteration {self.global_steps}")
                 raise SystemExit(0)
+            self._check_survivable(decision.next)
             fault_free_before = self._fault_free_iteration_time()
             try:
                 self._enter_epoch(decision.next, running)
-                self._check_survivable()
                 self.stepper.resync_tied_weights()
             except (PeerFailure, EpochSuperseded) as again:
                 logger.info(f"ReCycle: slot {self.slot}: another failure during recovery ({again}); deciding again")
@@ -280,11 +287,13 @@ class RecyclePipelineEngine(PipelineEngine):
         timer.reset()
         self.stepper._pending = None
 
-    def _check_survivable(self) -> None:
-        empty = [s for s in range(self.num_stages) if not self.grid.live_workers(s)]
+    def _check_survivable(self, membership: Membership) -> None:
+        topo = self.module._topo
+        live_stages = {topo.get_coord(slot).pipe for slot in membership.members}
+        empty = [s for s in range(self.num_stages) if s not in live_stages]
         if empty:
             raise StageLostError(
-                f"stage {empty[0]} has no live worker left in epoch {self.grid.membership.epoch}: training cannot "
+                f"stage {empty[0]} has no live worker left in epoch {membership.epoch}: training cannot "
                 f"continue in place. Last finished iteration: {self.global_steps}. No checkpoint is configured "
                 "(recycle.checkpoint), so the job stops here."
             )

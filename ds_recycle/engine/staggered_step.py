@@ -41,10 +41,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-from deepspeed.utils import logger
 
 from ds_recycle.engine.routing import GRAD_NORM, LOSS, TIED_GRADIENT, TIED_WEIGHT, PeerChannel
 from ds_recycle.engine.undo import SnapshotUndo, StepUndo, undo_before_step, unsupported_reason
+from ds_recycle.log import logger
 
 CLIP_EPSILON = 1e-6  # the epsilon of DeepSpeed's and torch's clip_grad_norm_
 

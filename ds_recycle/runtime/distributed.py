@@ -14,8 +14,8 @@ import os
 
 import deepspeed
 import torch.distributed as dist
-from deepspeed.utils import logger
 
+from ds_recycle.log import logger
 from ds_recycle.runtime import protocol as proto
 from ds_recycle.runtime.membership import MembershipAgent
 

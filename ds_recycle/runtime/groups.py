@@ -14,6 +14,7 @@ released from a thread that might block on them.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 from dataclasses import dataclass, field
 
@@ -25,13 +26,19 @@ from ds_recycle.runtime.protocol import Membership
 Worker = tuple[int, int]
 """(pipeline, stage)"""
 
-_GRAVEYARD: list = []
+def bury(objects) -> None:
+    """Keep process groups (and their pending work) alive until the process ends, and beyond: a gloo
+    group released while an op on it is stuck blocks the releasing thread, and one released at
+    interpreter exit with a stuck op aborts the process. They are never freed; each costs a few
+    file descriptors and threads (pg-rebuild.md, Q2)."""
+    for obj in objects:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
 def rebuild_world(store, membership: Membership, slot: int, timeout: float) -> None:
     """Leave the current world (if any) and join the world of ``membership`` on its own prefix."""
     if dist.is_initialized():
-        _GRAVEYARD.extend(c10d._world.pg_map.keys())
+        bury(c10d._world.pg_map.keys())
         dist.destroy_process_group()
     dist.init_process_group(
         "gloo",

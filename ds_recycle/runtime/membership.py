@@ -12,6 +12,7 @@ all members apply the same changes at the same iteration, whatever their relativ
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -21,8 +22,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
-from deepspeed.utils import logger
 
+from ds_recycle.log import logger
 from ds_recycle.runtime import protocol as proto
 from ds_recycle.runtime.protocol import Change, Decision, Membership, Request
 
@@ -179,6 +180,11 @@ class MembershipAgent:
         self.current = decision.next
         return decision
 
+    def failures_applied(self) -> int:
+        """How many failures the decisions so far took into account (the launcher adds a failure to
+        ``pending`` before it raises ``alert``, so the alert count can be compared with this)."""
+        return sum(1 for c in self._pending()[: self.applied] if c.kind == proto.FAILED)
+
     def _survivors(self, changes: tuple[Change, ...]) -> list[int]:
         gone = {c.slot for c in changes if c.kind in (proto.FAILED, proto.LEAVE)}
         return [s for s in self.current.members if s not in gone]
@@ -274,9 +280,13 @@ class MembershipAgent:
         store.set(proto.heartbeat_key(self.slot), repr(time.time()))
         self._heartbeat = threading.Thread(target=beat, name="recycle-heartbeat", daemon=True)
         self._heartbeat.start()
+        # A thread caught inside a store call when the interpreter exits aborts the process.
+        atexit.register(self.stop)
 
     def publish_iteration_seconds(self, seconds: float) -> None:
         self.store.set(proto.iteration_seconds_key(self.slot), repr(seconds))
 
     def stop(self) -> None:
         self._stop.set()
+        if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
+            self._heartbeat.join(timeout=2 * HEARTBEAT_SECONDS + 1.0)

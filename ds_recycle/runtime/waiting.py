@@ -15,6 +15,7 @@ and ranks that are not talking to the dead peer never notice it (pg-rebuild.md, 
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
@@ -41,10 +42,15 @@ class FailureWatcher:
     flag: threading.Event = field(default_factory=threading.Event)
     raised_at: float | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    """Orders the watcher's compare-and-raise against :meth:`acknowledge`."""
 
     def start(self) -> FailureWatcher:
         self.seen = int(self.store.add(proto.ALERT, 0))
-        threading.Thread(target=self._run, name="recycle-failure-watcher", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="recycle-failure-watcher", daemon=True)
+        self._thread.start()
+        # A thread caught inside a store call when the interpreter exits aborts the process.
+        atexit.register(self.stop)
         return self
 
     def _run(self) -> None:
@@ -54,8 +60,9 @@ class FailureWatcher:
             except Exception:  # the launcher (and its store) is gone: the job is over
                 self.raise_flag()
                 return
-            if value > self.seen:
-                self.raise_flag()
+            with self._lock:
+                if value > self.seen:
+                    self.raise_flag()
 
     def raise_flag(self) -> None:
         if not self.flag.is_set():
@@ -68,12 +75,14 @@ class FailureWatcher:
     def acknowledge(self, seen: int) -> None:
         """Recovery has taken the first ``seen`` announced failures into account; a later one raises
         the flag again at the next poll."""
-        self.seen = seen
-        self.flag.clear()
-        self.raised_at = None
+        with self._lock:
+            self.seen = seen
+            self.flag.clear()
+            self.raised_at = None
 
     def stop(self) -> None:
         self._stop.set()
+        self._thread.join(timeout=self.period + 1.0)
 
 
 class Waiter:
