@@ -83,8 +83,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="ds-recycle", description="ReCycle for DeepSpeed pipelines: plans for failure sets.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=Parser)
     for name, command in COMMANDS.items():
-        command.add_arguments(sub.add_parser(name, help=command.help, description=command.help))
+        subparser = sub.add_parser(name, help=command.help, description=command.help)
+        command.add_arguments(subparser)
+        _store_once(subparser)
     return parser
+
+
+def _store_once(parser: argparse.ArgumentParser) -> None:
+    """Every single-valued option of every subcommand may be given once: ``--x 1 --x 2`` is a
+    contradiction, not "the last one wins"."""
+    for action in parser._actions:
+        if type(action) is argparse._StoreAction and action.option_strings:
+            action.__class__ = StoreOnce
 
 
 # ----- argument types: each names the allowed values -------------------------------------------
@@ -142,14 +152,12 @@ def duration(name: str) -> Callable[[str], float]:
 
 def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     lim = LIMITS
-    once = {"action": StoreOnce}
     parser.add_argument(
         "--pipelines",
         "-D",
         type=int_in(1, lim.max_pipelines),
         required=True,
         help=f"data-parallel pipelines D (1..{lim.max_pipelines})",
-        **once,
     )
     parser.add_argument(
         "--stages",
@@ -157,7 +165,6 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         type=int_in(1, lim.max_stages),
         required=True,
         help=f"pipeline stages P (1..{lim.max_stages})",
-        **once,
     )
     parser.add_argument(
         "--microbatches",
@@ -165,7 +172,6 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         type=int_in(1, lim.max_microbatches),
         required=True,
         help=f"micro-batches per pipeline per iteration (1..{lim.max_microbatches}); 3*D*P*m <= {lim.max_ops:,}",
-        **once,
     )
     parser.add_argument(
         "--fail",
@@ -179,13 +185,11 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--costs",
         metavar="F,B,W",
         help=f"durations of F, B and W, the same on every stage (default 1,1,1; each {duration_range()})",
-        **once,
     )
     costs.add_argument(
         "--cost-file",
         metavar="FILE",
         help="JSON or YAML with F, B, W lists (one value per stage) and optional comm and step",
-        **once,
     )
     parser.add_argument(
         "--comm",
@@ -193,10 +197,9 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="C",
         help="p2p latency between workers (default 0)",
-        **once,
     )
     parser.add_argument(
-        "--step", type=duration("step"), default=None, metavar="T", help="duration of S: all-reduce + optimizer", **once
+        "--step", type=duration("step"), default=None, metavar="T", help="duration of S: all-reduce + optimizer"
     )
     parser.add_argument(
         "--memory-cap",
@@ -204,14 +207,12 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help=f"micro-batches a worker may hold (default P; 1..{lim.max_memory_cap})",
-        **once,
     )
     parser.add_argument(
         "--solver",
         choices=("heuristic", "milp"),
         default="heuristic",
         help=f"milp: only up to 3*D*P*m = {lim.max_milp_ops:,} ops",
-        **once,
     )
     parser.add_argument(
         "--time-limit",
@@ -219,21 +220,18 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         default=10.0,
         metavar="S",
         help=f"MILP time limit in seconds (0, {lim.max_time_limit:g}]",
-        **once,
     )
-    parser.add_argument("--json", metavar="OUT", help="write the plan as JSON", **once)
+    parser.add_argument("--json", metavar="OUT", help="write the plan as JSON")
     parser.add_argument(
         "--png",
         metavar="OUT.png",
         help=f"write a Gantt chart as PNG (at most {lim.max_png_rows} workers, {lim.max_png_ops:,} ops)",
-        **once,
     )
     parser.add_argument(
         "--width",
         type=int_in(lim.min_width, lim.max_width),
         default=120,
         help=f"maximum columns of the text Gantt ({lim.min_width}..{lim.max_width})",
-        **once,
     )
 
 
@@ -480,6 +478,18 @@ def _read_cost_file(path: str) -> dict:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise UsageError(f"--cost-file {path}: not UTF-8 text; expected JSON or YAML with keys F, B, W") from None
+    depth = deepest = 0
+    for char in text:  # the parsers take seconds on (or crash on) thousands of nested brackets
+        if char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    if deepest > LIMITS.max_cost_file_nesting:
+        raise UsageError(
+            f"--cost-file {path}: brackets nested {deepest} deep; at most {LIMITS.max_cost_file_nesting} allowed "
+            "(expected a mapping with keys F, B, W of numbers or lists of numbers)"
+        )
     try:
         data = json.loads(text)
     except (ValueError, RecursionError):

@@ -57,7 +57,10 @@ class PlannerLimits:
     min_width: int = 10
     max_width: int = 10_000
     """Columns of the text Gantt."""
-    max_cost_file_bytes: int = 1 << 20
+    max_cost_file_bytes: int = 64 << 10
+    """A cost file of 1024 stages fits in 40 KiB; PyYAML parses 64 KiB in at most a few seconds."""
+    max_cost_file_nesting: int = 16
+    """Deepest nesting of brackets in a cost file (PyYAML takes seconds on thousands, libyaml crashes)."""
 
 
 LIMITS = PlannerLimits()
