@@ -14,7 +14,8 @@ Each tick it:
    A refused request changes nothing; both outcomes are logged;
 3. checks heartbeats: a member whose last heartbeat (of its current incarnation) is older than the
    timeout is appended as ``failed`` and its process is killed through the launcher's callback, so a
-   hung (SIGSTOPped) process can never come back as a member. The timeout is derived from the
+   hung (SIGSTOPped) process can never come back as a member. A slot whose heartbeat is
+   ``HEARTBEAT_STOPPED`` (it finished or left on purpose) is not checked. The timeout is derived from the
    iteration time the trainers publish: ``max(min_timeout, factor * max iteration_seconds)``. A slot
    is not checked before its first heartbeat, except that once the job is seen to heartbeat at all,
    a member with no heartbeat ``startup_timeout`` seconds after its start is declared failed too.
@@ -129,6 +130,8 @@ class Coordinator:
         self._kill = kill
         self._exits: queue.Queue[RankExit] = queue.Queue()
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._retry: RankExit | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # guards _incarnations and _pending (read by other threads)
         self._incarnations: dict[int, _Incarnation] = {}
@@ -141,6 +144,8 @@ class Coordinator:
         self._query = connect(host, port, generation)  # for membership() from other threads
         self._query_lock = threading.Lock()
         self.error: BaseException | None = None
+        """The last error of a tick (the coordinator logs it and retries)."""
+        self._last_error_log = 0.0
 
     # ---- the launcher's side -------------------------------------------------------------------
 
@@ -154,6 +159,7 @@ class Coordinator:
     def stop(self, timeout: float = 10.0) -> None:
         """Process what is queued, then end the thread (bounded by ``timeout``)."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -168,6 +174,7 @@ class Coordinator:
             if current is not None and current.number == exit.incarnation:
                 current.running = False
         self._exits.put(exit)
+        self._wake.set()
 
     def membership(self) -> Membership:
         """The current epoch's membership, read fresh from the store."""
@@ -181,32 +188,38 @@ class Coordinator:
     # ---- the thread ------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        try:
-            while True:
-                stopping = self._stop.is_set()
-                self._drain_exits()
-                self._poll_requests()
-                if self.policy.enabled and time.monotonic() - self._last_heartbeat_check >= HEARTBEAT_CHECK_SECONDS:
-                    self._last_heartbeat_check = time.monotonic()
-                    self._check_heartbeats()
-                if stopping:
-                    return
-                try:
-                    exit = self._exits.get(timeout=TICK_SECONDS)
-                except queue.Empty:
-                    continue
-                self._on_exit(exit)
-        except BaseException as exc:  # the launcher reports it; the ranks keep running meanwhile
-            self.error = exc
-            self._log(f"coordinator stopped: {type(exc).__name__}: {exc}")
+        while True:
+            stopping = self._stop.is_set()
+            try:
+                self._tick()
+            except Exception as exc:  # a store hiccup must not end coordination; report and go on
+                self.error = exc
+                now = time.monotonic()
+                if now - self._last_error_log > 1.0:
+                    self._last_error_log = now
+                    self._log(f"coordinator error (retrying): {type(exc).__name__}: {exc}")
+                time.sleep(0.05)
+            if stopping:
+                return
+            self._wake.wait(TICK_SECONDS)  # an observed exit wakes the coordinator at once
+            self._wake.clear()
+
+    def _tick(self) -> None:
+        self._drain_exits()
+        self._poll_requests()
+        if self.policy.enabled and time.monotonic() - self._last_heartbeat_check >= HEARTBEAT_CHECK_SECONDS:
+            self._last_heartbeat_check = time.monotonic()
+            self._check_heartbeats()
 
     def _drain_exits(self) -> None:
         while True:
-            try:
-                exit = self._exits.get_nowait()
-            except queue.Empty:
-                return
-            self._on_exit(exit)
+            if self._retry is None:
+                try:
+                    self._retry = self._exits.get_nowait()
+                except queue.Empty:
+                    return
+            self._on_exit(self._retry)  # if it raises, the same exit is retried next tick
+            self._retry = None
 
     def _on_exit(self, exit: RankExit) -> None:
         if exit.returncode == 0 or exit.returncode == proto.RESTART_EXIT_CODE:
@@ -290,7 +303,10 @@ class Coordinator:
             if incarnation is None or not incarnation.running or self._out(slot):
                 continue
             key = proto.heartbeat_key(slot)
-            beat = float(self._store.get(key)) if self._store.check([key]) else None
+            value = self._store.get(key).decode() if self._store.check([key]) else None
+            if value == proto.HEARTBEAT_STOPPED:
+                continue
+            beat = _seconds(value)
             if beat is not None and beat >= incarnation.started:
                 self._job_heartbeats = True
                 age = now - beat
@@ -329,6 +345,13 @@ class Coordinator:
         """The slot's last change is a failure or a leave: it is on its way out already."""
         last = self._last_change(slot)
         return last is not None and last.kind in (proto.FAILED, proto.LEAVE)
+
+
+def _seconds(value: str | None) -> float | None:
+    try:
+        return None if value is None else float(value)
+    except ValueError:
+        return None
 
 
 def read_membership(store) -> Membership:

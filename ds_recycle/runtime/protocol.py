@@ -19,7 +19,7 @@ request_count, request/<k> :class:`Request` JSON (k from ``add(request_count, 1)
 pending                    JSON list of :class:`Change` (append-only, seq = index)       launcher
 alert                      counter, +1 per failure put in ``pending``                    launcher
 decision/<n>/<i>           :class:`Decision` JSON for epoch n at the end of iteration i  members
-heartbeat/<slot>           wall time of the last heartbeat (float)                       trainer
+heartbeat/<slot>           wall time of the last heartbeat (float), or HEARTBEAT_STOPPED  trainer
 iteration_seconds/<slot>   the trainer's measured iteration time (float)                 trainer
 =========================  ============================================================  ==========
 """
@@ -47,6 +47,13 @@ JOIN = "join"
 FAILED = "failed"
 CHANGE_KINDS = (LEAVE, JOIN, FAILED)
 REQUEST_KINDS = (LEAVE, JOIN)
+
+
+HEARTBEAT_STOPPED = "stopped"
+"""Written to ``heartbeat/<slot>`` by a trainer that stops beating on purpose (it finished, or it
+left and is exiting): the launcher then stops checking that slot's heartbeat until a numeric one
+arrives (a respawned process). Without it, a process whose teardown outlasts the heartbeat timeout
+is declared failed and killed."""
 
 
 def prefix(generation: int) -> str:

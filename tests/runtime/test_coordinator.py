@@ -1,0 +1,174 @@
+"""The coordinator against a real TCPStore, without rank processes: requests, exits, heartbeats.
+
+The launcher's side (starts, exits, the kill callback) is played by the test; the trainers' side
+(requests, heartbeats, iteration times, epochs) by a store client, as protocol.py describes it.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from ds_recycle.runtime import protocol as proto
+from ds_recycle.runtime.coordinator import Coordinator, HeartbeatPolicy, RankExit
+from ds_recycle.runtime.protocol import Membership, Request
+
+TOKEN = "a" * 32
+WORLD = 4
+
+
+class Harness:
+    def __init__(self, policy: HeartbeatPolicy) -> None:
+        self.server = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
+        )
+        self.store = dist.PrefixStore(proto.prefix(0), self.server)
+        self.store.set(proto.WORLD_SIZE, str(WORLD))
+        self.store.set(proto.epoch_key(0), Membership(0, tuple(range(WORLD)), 0).to_json())
+        self.store.set(proto.CURRENT_EPOCH, "0")
+        self.lines: list[str] = []
+        self.killed: list[tuple[int, int]] = []
+        self.coordinator = Coordinator(
+            "127.0.0.1",
+            self.server.port,
+            0,
+            WORLD,
+            TOKEN,
+            log=self.lines.append,
+            kill=lambda slot, incarnation: self.killed.append((slot, incarnation)),
+            policy=policy,
+        )
+        self.started = time.time()
+        for slot in range(WORLD):
+            self.coordinator.rank_started(slot, 0, self.started)
+        self.coordinator.start()
+
+    def request(self, kind: str, slot: int, token: str = TOKEN, pid: int = 4242) -> None:
+        index = self.store.add(proto.REQUEST_COUNT, 1)
+        self.store.set(proto.request_key(index), Request(kind, slot, token, pid, time.time()).to_json())
+
+    def pending(self) -> list[proto.Change]:
+        return proto.changes_from_json(self.store.get(proto.PENDING)) if self.store.check([proto.PENDING]) else []
+
+    def alerts(self) -> int:
+        return int(self.store.add(proto.ALERT, 0))
+
+    def wait_for_line(self, fragment: str, timeout: float = 10.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if fragment in line:
+                    return line
+            time.sleep(0.005)
+        raise AssertionError(f"no line with {fragment!r} in {self.lines}")
+
+    def advance(self, members: tuple[int, ...]) -> None:
+        """What the members do at a boundary: publish epoch n+1 and advance current_epoch."""
+        epoch = int(self.store.get(proto.CURRENT_EPOCH)) + 1
+        self.store.set(proto.epoch_key(epoch), Membership(epoch, members, 0).to_json())
+        self.store.set(proto.CURRENT_EPOCH, str(epoch))
+
+
+@pytest.fixture
+def harness():
+    h = Harness(HeartbeatPolicy(enabled=False))
+    yield h
+    h.coordinator.stop()
+
+
+def test_requests_are_validated_and_refused_ones_change_nothing(harness):
+    h = harness
+    h.request(proto.JOIN, 1, token="b" * 32, pid=777)
+    assert h.wait_for_line("refused join request for slot 1 from pid 777").endswith("wrong token")
+    h.request("explode", 1)
+    h.wait_for_line("unknown kind 'explode'")
+    h.request(proto.LEAVE, WORLD)
+    h.wait_for_line(f"slot out of range (0..{WORLD - 1})")
+    h.request(proto.JOIN, 2)
+    h.wait_for_line("refused join request for slot 2 from pid 4242: already a member")
+    assert h.pending() == [] and h.alerts() == 0, "a refused request must change nothing"
+
+    h.request(proto.LEAVE, 3)
+    h.wait_for_line("accepted leave of slot 3")
+    h.request(proto.LEAVE, 3)
+    h.wait_for_line("refused leave request for slot 3 from pid 4242: already leaving")
+    h.advance((0, 1, 2))
+    h.request(proto.LEAVE, 3)
+    h.wait_for_line("refused leave request for slot 3 from pid 4242: not a member")
+    h.request(proto.JOIN, 3)
+    h.wait_for_line("accepted join of slot 3")
+    h.request(proto.JOIN, 3)
+    h.wait_for_line("refused join request for slot 3 from pid 4242: a join of this slot is already pending")
+    assert [(c.seq, c.kind, c.slot) for c in h.pending()] == [(0, proto.LEAVE, 3), (1, proto.JOIN, 3)]
+    assert h.alerts() == 0, "requests are not failures"
+
+
+def test_waitpid_exit_of_a_member_is_published_once_as_a_failure(harness):
+    h = harness
+    h.coordinator.rank_exited(RankExit(slot=2, incarnation=0, returncode=-9, observed=time.time()))
+    line = h.wait_for_line("published failure of slot 2 (signal SIGKILL)")
+    assert "ms after waitpid saw the exit" in line
+    (change,) = h.pending()
+    assert (change.seq, change.kind, change.slot, change.detail) == (0, proto.FAILED, 2, "signal SIGKILL")
+    assert h.alerts() == 1
+    # A failed slot may join again (its respawn); an exit 0, an exit 75 or a non-member's exit is no failure.
+    h.request(proto.JOIN, 2)
+    h.wait_for_line("accepted join of slot 2")
+    h.coordinator.rank_exited(RankExit(slot=0, incarnation=0, returncode=0, observed=time.time()))
+    h.coordinator.rank_exited(RankExit(slot=1, incarnation=0, returncode=proto.RESTART_EXIT_CODE, observed=time.time()))
+    h.advance((0, 1, 3))
+    h.coordinator.rank_exited(RankExit(slot=2, incarnation=1, returncode=3, observed=time.time()))
+    h.request(proto.LEAVE, 3)
+    h.wait_for_line("accepted leave of slot 3")
+    assert [(c.kind, c.slot) for c in h.pending()] == [(proto.FAILED, 2), (proto.JOIN, 2), (proto.LEAVE, 3)]
+    assert h.alerts() == 1
+
+
+def test_stale_heartbeat_is_a_failure_and_the_process_is_killed():
+    h = Harness(HeartbeatPolicy(min_timeout=0.3, factor=3.0, startup_timeout=60.0))
+    try:
+        # Slots 0-2 beat; slot 3 never has (it is still starting): it is not checked.
+        h.store.set(proto.iteration_seconds_key(0), "0.2")  # timeout = max(0.3, 3 * 0.2) = 0.6 s
+        beats = {slot: time.time() for slot in range(3)}
+        stopped = time.time()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not h.killed:
+            now = time.time()
+            for slot in (0, 1):  # slot 2 stops beating
+                beats[slot] = now
+            for slot, beat in beats.items():
+                h.store.set(proto.heartbeat_key(slot), repr(beat))
+            time.sleep(0.05)
+        line = h.wait_for_line("published failure of slot 2: heartbeat stale")
+        assert "(timeout 0.60 s)" in line, line
+        assert h.killed == [(2, 0)]
+        (change,) = h.pending()
+        assert (change.kind, change.slot) == (proto.FAILED, 2)
+        assert 0.6 <= change.time - stopped < 3.0
+        assert h.alerts() == 1
+    finally:
+        h.coordinator.stop()
+
+
+def test_a_heartbeat_of_an_earlier_incarnation_does_not_count():
+    h = Harness(HeartbeatPolicy(min_timeout=0.2, startup_timeout=0.5))
+    try:
+        h.store.set(proto.heartbeat_key(1), repr(time.time() - 100))  # left by incarnation 0
+        h.coordinator.rank_started(1, 1, time.time())
+        for slot in (0, 2, 3):
+            h.store.set(proto.heartbeat_key(slot), repr(time.time() + 100))  # fresh for the whole test
+        line = h.wait_for_line("published failure of slot 1: no heartbeat")
+        assert "after start" in line
+        assert h.killed == [(1, 1)]
+    finally:
+        h.coordinator.stop()
+
+
+def test_policy_timeout_follows_the_slowest_iteration():
+    policy = HeartbeatPolicy(min_timeout=1.0, factor=3.0)
+    assert policy.timeout(None) == 1.0
+    assert policy.timeout(0.1) == 1.0
+    assert policy.timeout(2.0) == 6.0

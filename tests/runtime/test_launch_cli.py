@@ -1,0 +1,330 @@
+"""``ds-recycle launch`` as a user runs it: a subprocess, real rank processes, real signals.
+
+Every launch is bounded (``--timeout`` and a bounded wait here); on any error the launcher's own
+process group is killed, by PID. The rank scripts are tiny and written by the tests; the ones that
+talk to the coordinator use a plain TCPStore client, as protocol.py describes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from ds_recycle.runtime import protocol as proto
+
+pytestmark = pytest.mark.multiprocess
+
+ROOT = Path(__file__).resolve().parents[2]
+STARTED = re.compile(r"rank (\d+) pid (\d+) started")
+
+STORE_CLIENT = """
+import json, os, sys, time
+from datetime import timedelta
+from pathlib import Path
+import torch.distributed as dist
+from ds_recycle.runtime import protocol as proto
+
+RANK = int(os.environ["RANK"])
+INCARNATION = int(os.environ[proto.ENV_INCARNATION])
+OUT = Path(sys.argv[1])
+host, port = os.environ[proto.ENV_STORE].rsplit(":", 1)
+base = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False)
+store = dist.PrefixStore(proto.prefix(int(os.environ[proto.ENV_GENERATION])), base)
+
+
+def post(kind, slot, token):
+    index = store.add(proto.REQUEST_COUNT, 1)
+    store.set(proto.request_key(index), proto.Request(kind, slot, token, os.getpid(), time.time()).to_json())
+
+
+def pending():
+    return proto.changes_from_json(store.get(proto.PENDING))
+
+
+def wait_for(condition, what, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            sys.exit(f"timed out waiting for {what}")
+        time.sleep(0.01)
+"""
+
+
+class Job:
+    """The launcher as a subprocess whose stdout lines are collected by a thread."""
+
+    def __init__(self, args: list[str], timeout: float = 60.0) -> None:
+        self.timeout = timeout
+        self.lines: list[str] = []
+        self.pids: dict[int, int] = {}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ds_recycle.cli", "launch", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "DS_ACCELERATOR": "cpu"},
+            start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip())
+            match = STARTED.search(line)
+            if match:
+                self.pids[int(match.group(1))] = int(match.group(2))
+
+    def wait_for(self, pattern: str, count: int = 1, timeout: float = 60.0) -> str:
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            hits = [x for x in list(self.lines) if regex.search(x)]
+            if len(hits) >= count:
+                return hits[count - 1]
+            if self.proc.poll() is not None and not self._reader.is_alive():
+                break
+            time.sleep(0.01)
+        self.kill()
+        raise AssertionError(f"no line matching {pattern!r}:\n" + "\n".join(self.lines))
+
+    def finish(self) -> int:
+        try:
+            code = self.proc.wait(timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError("the launcher did not end:\n" + "\n".join(self.lines)) from None
+        self._reader.join(timeout=5)
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def jobs():
+    started: list[Job] = []
+
+    def start(args: list[str], timeout: float = 60.0) -> Job:
+        job = Job(args, timeout)
+        started.append(job)
+        return job
+
+    yield start
+    for job in started:
+        job.kill()
+
+
+def write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+RESPAWN_SCRIPT = (
+    """
+import os, sys, time
+if os.environ["RANK"] == "1":  # no torch here: incarnation 0 is killed, incarnation 1 just ends
+    if os.environ["DS_RECYCLE_INCARNATION"] == "0":
+        time.sleep(60)
+        sys.exit(5)
+    open(os.path.join(sys.argv[1], "respawned"), "w").close()
+    sys.exit(0)
+"""
+    + STORE_CLIENT
+    + """
+post(proto.JOIN, 1, "0" * 32)  # wrong token: refused, changes nothing
+wait_for(lambda: (OUT / "respawned").exists(), "the respawned rank")
+print("PENDING " + proto.changes_to_json(pending()), "ALERT", store.add(proto.ALERT, 0), flush=True)
+"""
+)
+
+
+def test_sigkill_from_outside_is_published_and_the_rank_respawns_and_joins(tmp_path, jobs):
+    script = write(tmp_path, "ranks.py", RESPAWN_SCRIPT)
+    logs = tmp_path / "logs"
+    job = jobs(
+        ["--nproc", "2", "--respawn", "--respawn-delay", "0.1", "--timeout", "60", "--log-dir", str(logs)]
+        + [script, str(tmp_path)]
+    )
+    job.wait_for(r"rank 1 pid \d+ started")
+    job.wait_for(r"refused join request for slot 1 from pid \d+: wrong token")
+    victim = job.pids[1]
+    killed = time.time()
+    os.kill(victim, signal.SIGKILL)
+    job.wait_for(r"rank 1 exited \(signal SIGKILL\)")
+    line = job.wait_for(r"published failure of slot 1 \(signal SIGKILL\) in epoch 0, [\d.]+ ms after waitpid")
+    job.wait_for(r"rank 1 respawned \(incarnation 1, generation 0\)")
+    assert job.finish() == 0, "\n".join(job.lines)
+    assert job.pids[1] != victim
+    events = [x for x in job.lines if re.search(r"rank \d (pid \d+ started|exited|respawned)", x)]
+    assert events[-1].endswith("exited (code 0)"), events
+
+    log = (logs / "rank0.log").read_text()
+    pending_json, alert = re.search(r"PENDING (\[.*\]) ALERT (\d+)", log).groups()
+    changes = proto.changes_from_json(pending_json)
+    assert [(c.seq, c.kind, c.slot) for c in changes] == [(0, proto.FAILED, 1)], "the refused request added nothing"
+    assert changes[0].detail == "signal SIGKILL" and alert == "1"
+    print(f"SIGKILL -> waitpid observed: {1000 * (changes[0].time - killed):.1f} ms; {line}")
+    assert (logs / "rank1.log").exists()
+
+
+HEARTBEAT_SCRIPT = (
+    STORE_CLIENT
+    + """
+import threading
+
+stop = threading.Event()
+
+
+def beat():
+    own = dist.PrefixStore(proto.prefix(0), dist.TCPStore(host, int(port), is_master=False,
+                                                           timeout=timedelta(seconds=30), wait_for_workers=False))
+    while not stop.wait(0.1):
+        own.set(proto.heartbeat_key(RANK), repr(time.time()))
+
+
+beater = threading.Thread(target=beat, daemon=True)
+beater.start()
+store.set(proto.iteration_seconds_key(RANK), "0.05")
+store.set(proto.heartbeat_key(RANK), repr(time.time()))  # the first beat, before the test may stop us
+(OUT / f"ready{RANK}").touch()
+if RANK == 1:
+    time.sleep(60)  # SIGSTOPped by the test, then killed by the launcher
+    sys.exit(5)
+wait_for(lambda: any(c.kind == proto.FAILED for c in pending()), "slot 1's failure")
+# What the survivors do at the boundary: the epoch without slot 1.
+store.set(proto.epoch_key(1), proto.Membership(1, (0,), 0).to_json())
+store.set(proto.CURRENT_EPOCH, "1")
+print("PENDING " + proto.changes_to_json(pending()), flush=True)
+stop.set()
+beater.join()
+store.set(proto.heartbeat_key(RANK), proto.HEARTBEAT_STOPPED)  # teardown may outlast the timeout
+"""
+)
+
+
+def test_a_sigstopped_rank_is_declared_failed_by_heartbeat_and_killed(tmp_path, jobs):
+    script = write(tmp_path, "ranks.py", HEARTBEAT_SCRIPT)
+    logs = tmp_path / "logs"
+    job = jobs(["--nproc", "2", "--timeout", "60", "--log-dir", str(logs), script, str(tmp_path)])
+    job.wait_for(r"rank 1 pid \d+ started")
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"ready{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stopped = time.time()
+    os.kill(job.pids[1], signal.SIGSTOP)
+    line = job.wait_for(r"published failure of slot 1: heartbeat stale [\d.]+ s \(timeout 1.00 s\); killing")
+    job.wait_for(r"rank 1 exited \(signal SIGKILL\)")
+    assert job.finish() == 0, "\n".join(job.lines)  # slot 1 is no member at the end: it does not count
+    (change,) = proto.changes_from_json(re.search(r"PENDING (\[.*\])", (logs / "rank0.log").read_text()).group(1))
+    assert (change.kind, change.slot) == (proto.FAILED, 1) and change.detail.startswith("heartbeat stale")
+    print(f"SIGSTOP -> failure published: {change.time - stopped:.3f} s; {line}")
+
+
+GRANDCHILD_SCRIPT = """
+import os, subprocess, sys, time
+child = subprocess.Popen(["sleep", "60"])
+with open(os.path.join(sys.argv[1], f"pids{os.environ['RANK']}"), "w") as f:
+    f.write(f"{os.getpid()} {child.pid}")
+time.sleep(60)
+"""
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie that nobody reaped yet counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def test_timeout_kills_every_rank_and_its_children_but_nothing_else(tmp_path, jobs):
+    script = write(tmp_path, "ranks.py", GRANDCHILD_SCRIPT)
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        job = jobs(["--nproc", "2", "--timeout", "4", script, str(tmp_path)])
+        assert job.finish() == 124, "\n".join(job.lines)
+        job.wait_for(r"timeout after 4 s: killing every rank")
+        pids = [int(p) for r in (0, 1) for p in (tmp_path / f"pids{r}").read_text().split()]
+        assert len(pids) == 4
+        deadline = time.monotonic() + 5
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(alive(p) for p in pids), "a rank or its child survived the timeout"
+        assert sleeper.poll() is None, "the launcher killed a process it did not start"
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+TERM_SCRIPT = """
+import os, signal, sys, time
+rank = int(os.environ["RANK"])
+if rank == 0:
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+else:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+open(os.path.join(sys.argv[1], f"ready{rank}"), "w").close()
+time.sleep(60)
+"""
+
+
+def test_sigterm_to_the_launcher_is_forwarded_then_stragglers_are_killed(tmp_path, jobs):
+    script = write(tmp_path, "ranks.py", TERM_SCRIPT)
+    job = jobs(["--nproc", "2", "--respawn", "--grace", "0.5", "--timeout", "60", script, str(tmp_path)])
+    deadline = time.monotonic() + 30
+    while not all((tmp_path / f"ready{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(job.proc.pid, signal.SIGTERM)
+    assert job.finish() == 128 + signal.SIGTERM
+    job.wait_for(r"got SIGTERM: sending SIGTERM to every rank, SIGKILL after 0.5 s")
+    job.wait_for(r"rank 0 exited \(code 0\)")
+    job.wait_for(r"rank 1 exited \(signal SIGKILL\)")
+    assert not any("respawned" in x for x in job.lines)
+
+
+@pytest.mark.parametrize(
+    ("args", "names"),
+    [
+        (["--nproc", "0", "{script}"], "--nproc 0"),
+        (["--nproc", "100000", "{script}"], "1..1024"),
+        (["--nproc", "two", "{script}"], "--nproc"),
+        (["--nproc", "2", "{tmp}/missing.py"], "no such file"),
+        (["--nproc", "2", "--respawn-delay", "-1", "{script}"], "--respawn-delay -1"),
+        (["--nproc", "2", "--timeout", "0", "{script}"], "--timeout 0"),
+        (["--nproc", "2", "--timeout", "nan", "{script}"], "--timeout nan"),
+        (["--nproc", "2", "--log-dir", "{script}/logs", "{script}"], "--log-dir"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line_before_starting_anything(tmp_path, args, names):
+    script = write(tmp_path, "ranks.py", "open(__file__ + '.ran', 'w').close()\n")
+    argv = [a.format(script=script, tmp=tmp_path) for a in args]
+    result = subprocess.run(
+        [sys.executable, "-m", "ds_recycle.cli", "launch", *argv],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert result.returncode == 2, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and names in lines[0] and "Traceback" not in result.stderr, result.stderr
+    assert result.stdout == "" and not Path(script + ".ran").exists()
+
+
+def test_the_cli_module_does_not_import_torch():
+    code = "import sys, ds_recycle.cli; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=60).returncode == 0
