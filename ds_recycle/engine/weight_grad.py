@@ -76,6 +76,9 @@ class WeightGradPath:
     """Linears left alone because their weight is shared with another module."""
     tape: list[DeferredGemm] | None = None
     """Set by BackwardInput while it runs: where the Linears record their deferred GEMMs."""
+    probe: list[torch.Tensor] | None = None
+    """Set by memory accounting (:mod:`ds_recycle.engine.held_memory`): collects the layer
+    inputs the Linears hold for W."""
 
     @functools.cached_property
     def fallback_params(self) -> frozenset[int]:
@@ -153,7 +156,10 @@ def _linear_forward(module: nn.Linear, path: WeightGradPath, x: torch.Tensor) ->
     # F.linear on a contiguous input is addmm (mm without bias) on the input viewed as 2-D, then a
     # view back: hook the addmm node, whose gradient is already 2-D, so W runs one GEMM per record.
     node = out.grad_fn if x.dim() == 2 else out.grad_fn.next_functions[0][0]
-    node.register_prehook(functools.partial(_record, path, weight, x.view(-1, x.shape[-1])))
+    flat = x.view(-1, x.shape[-1])
+    node.register_prehook(functools.partial(_record, path, weight, flat))
+    if path.probe is not None:
+        path.probe.append(flat)
     return out
 
 

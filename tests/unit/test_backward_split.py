@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ds_recycle.engine.backward_split import backward_input, backward_weight
+from ds_recycle.engine.held_memory import measure_held_bytes
 from ds_recycle.engine.weight_grad import install_weight_grad_path
 from ds_recycle.models.gpt import Block, CausalSelfAttention, PositionEmbedding, TokenEmbedding, lm_head, lm_loss
 
@@ -256,3 +257,29 @@ def test_path_with_activation_checkpointing():
     assert torch.equal(input_grads[0], xf.grad)
     backward_weight(work)
     _assert_same_grads(fused, split)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
+def test_w_path_holds_less_between_b_and_w(bf16):
+    """On a GPT stage the W path holds at most 0.6x of the graph split's bytes between B and W,
+    and nothing after W; the graph split holds more than the forward did."""
+    torch.manual_seed(0)
+    stage = nn.Sequential(Block(32, 4, 4), Block(32, 4, 4))
+    with_path = copy.deepcopy(stage)
+    path = install_weight_grad_path(with_path)
+    x = torch.randn(2, 16, 32)
+    dtype = torch.bfloat16 if bf16 else None
+    graph = measure_held_bytes(stage, x, None, dtype)
+    ours = measure_held_bytes(with_path, x, path, dtype)
+    assert graph.after_forward == ours.after_forward > 0
+    assert graph.ratio > 1.2
+    assert ours.between_b_and_w <= 0.6 * graph.between_b_and_w
+    assert ours.after_w == graph.after_w == 0
+
+
+def test_generic_split_of_an_uncovered_module_keeps_its_graph():
+    torch.manual_seed(0)
+    stage = MiddleWithCustomParam()
+    path = install_weight_grad_path(stage)
+    held = measure_held_bytes(stage, torch.randn(2, 6, 16), path)
+    assert held.ratio > 1.0, "the fallback retains the graph until W"
