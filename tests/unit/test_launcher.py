@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import re
+import threading
 import time
 
-from ds_recycle.runtime.launcher import launch
+import torch.distributed as dist
+
+from ds_recycle.runtime.launcher import LaunchConfig, Launcher, launch
+from ds_recycle.runtime.protocol import RESTART_EXIT_CODE
 
 SCRIPT = """
 import os, sys, time
@@ -36,3 +42,118 @@ def test_each_rank_runs_in_its_own_session(tmp_path):
     script.write_text("import os; print(os.getsid(0) == os.getpid())")
     results = launch([str(script)], world_size=2, timeout=30, log_dir=tmp_path / "logs")
     assert all(r.ok and r.log.strip() == "True" for r in results)
+
+
+# ---- the Launcher: environment and exit rules (rank scripts without torch, files for sync) ----------------
+
+ENV_SCRIPT = """
+import json, os, sys
+keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DS_ACCELERATOR",
+        "OMP_NUM_THREADS", "TORCH_CPP_LOG_LEVEL", "TORCHELASTIC_USE_AGENT_STORE", "LOCAL_SIZE",
+        "DS_RECYCLE_STORE", "DS_RECYCLE_TOKEN", "DS_RECYCLE_INCARNATION", "DS_RECYCLE_GENERATION"]
+print(json.dumps({k: os.environ.get(k) for k in keys}))
+"""
+
+
+def run_launcher(tmp_path, script: str, nproc: int, **options) -> tuple[Launcher, int, list[str]]:
+    path = tmp_path / "ranks.py"
+    path.write_text(script)
+    lines: list[str] = []
+    config = LaunchConfig(argv=[str(path), str(tmp_path)], nproc=nproc, log_dir=tmp_path, **options)
+    launcher = Launcher(config, echo=lines.append)
+    code = launcher.run()
+    return launcher, code, lines
+
+
+def test_environment_of_a_rank(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCAL_SIZE", "2")
+    launcher, code, lines = run_launcher(tmp_path, ENV_SCRIPT, 2, timeout=60)
+    assert code == 0, lines
+    envs = [json.loads(r.log) for r in launcher.results()]
+    host, port = launcher.address
+    for rank, env in enumerate(envs):
+        assert env["RANK"] == env["LOCAL_RANK"] == str(rank)
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
+        assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == (host, str(port)) == ("127.0.0.1", str(port))
+        assert env["DS_RECYCLE_STORE"] == f"{host}:{port}"
+        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True" and env["TORCH_CPP_LOG_LEVEL"] == "ERROR"
+        assert (env["DS_ACCELERATOR"], env["OMP_NUM_THREADS"], env["LOCAL_SIZE"]) == ("cpu", "1", None)
+        assert (env["DS_RECYCLE_INCARNATION"], env["DS_RECYCLE_GENERATION"]) == ("0", "0")
+        assert len(env["DS_RECYCLE_TOKEN"]) == 32 and env["DS_RECYCLE_TOKEN"] == launcher.token
+    assert any(re.fullmatch(r"\[ds-recycle launch\] rank 1 pid \d+ started", x) for x in lines)
+
+
+def test_a_member_that_fails_makes_the_exit_code_non_zero(tmp_path):
+    script = "import os, sys, time\nif os.environ['RANK'] == '1': sys.exit(3)\ntime.sleep(0.3)\n"
+    _, code, lines = run_launcher(tmp_path, script, 2, timeout=60)
+    assert code == 1
+    assert "[ds-recycle launch] rank 1 exited (code 3)" in lines
+    assert any("published failure of slot 1 (code 3)" in x for x in lines)
+    assert "[ds-recycle launch] job finished, but members [1] did not exit 0" in lines
+
+
+def test_a_restart_request_without_respawn_ends_the_job_with_75(tmp_path):
+    script = "import sys\nsys.exit(75)\n"
+    _, code, lines = run_launcher(tmp_path, script, 2, timeout=60)
+    assert code == RESTART_EXIT_CODE
+    assert not any("published failure" in x for x in lines), "a restart request is no failure"
+
+
+def test_a_restart_request_with_respawn_restarts_every_rank_in_a_new_generation(tmp_path):
+    script = ENV_SCRIPT + "import sys\nif os.environ['DS_RECYCLE_GENERATION'] == '0':\n    sys.exit(75)\n"
+    launcher, code, lines = run_launcher(tmp_path, script, 2, timeout=60, respawn=True, respawn_delay=0.05)
+    assert code == 0, lines
+    assert "[ds-recycle launch] restarting every rank from the checkpoint (generation 1)" in lines
+    for result in launcher.results():
+        first, second = (json.loads(x) for x in result.log.splitlines())
+        assert (first["DS_RECYCLE_GENERATION"], second["DS_RECYCLE_GENERATION"]) == ("0", "1")
+        assert second["DS_RECYCLE_INCARNATION"] == "0"
+    assert not any("respawned" in x for x in lines)
+
+
+LEAVE_SCRIPT = """
+import os, sys, time
+from pathlib import Path
+out = Path(sys.argv[1])
+def wait_for(name):
+    deadline = time.monotonic() + 30
+    while not (out / name).exists():
+        if time.monotonic() > deadline:
+            sys.exit(f"no {name}")
+        time.sleep(0.01)
+if os.environ["RANK"] == "1":
+    if os.environ["DS_RECYCLE_INCARNATION"] == "0":
+        wait_for("left")   # the test has published an epoch without slot 1
+        sys.exit(0)
+    (out / "joiner").touch()
+    time.sleep(60)         # a joiner that nobody admits: stopped once the job is finished
+wait_for("joiner")
+"""
+
+
+def test_exit_0_after_leaving_does_not_finish_the_job_and_an_unadmitted_joiner_is_stopped(tmp_path):
+    from ds_recycle.runtime.protocol import Membership, epoch_key, prefix
+
+    path = tmp_path / "ranks.py"
+    path.write_text(LEAVE_SCRIPT)
+    lines: list[str] = []
+    config = LaunchConfig([str(path), str(tmp_path)], 2, respawn=True, respawn_delay=0.05, timeout=60, grace=1)
+    launcher = Launcher(config, echo=lines.append)
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(launcher.run()), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while sum("started" in x for x in lines) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    host, port = launcher.address
+    store = dist.PrefixStore(prefix(0), dist.TCPStore(host, port, is_master=False, wait_for_workers=False))
+    store.set(epoch_key(1), Membership(1, (0,), 0).to_json())
+    store.set("current_epoch", "1")
+    (tmp_path / "left").touch()
+    thread.join(timeout=60)
+    assert result == [0], lines
+    assert "[ds-recycle launch] rank 1 exited (code 0)" in lines
+    assert any("rank 1 respawned (incarnation 1" in x for x in lines), "a left rank is respawned"
+    assert "[ds-recycle launch] rank 0 completed training: the job is finished, no more respawns" in lines
+    assert any("no member is running: stopping" in x for x in lines)
+    assert lines[-2] == "[ds-recycle launch] rank 1 exited (signal SIGTERM)", lines
