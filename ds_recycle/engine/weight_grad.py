@@ -1,24 +1,31 @@
 """The cheap W path: Linear layers queue their weight GEMMs for BackwardWeight.
 
 :func:`install_weight_grad_path` gives every plain ``nn.Linear`` of one module (a stage's
-``PipelineModule``) a per-instance ``forward`` that runs through :class:`_DeferredLinear`. Its
-backward computes the input gradient (and the bias gradient, a row sum) at once and, while a
-BackwardInput is running, records only what the weight gradient needs: the layer input and the
-output gradient. BackwardWeight then runs one GEMM per record and accumulates weight and bias
-gradients. Outside BackwardInput (a plain ``loss.backward()``) the function returns the weight
-gradient at once, as ``nn.Linear`` does. The class ``nn.Linear`` is never touched;
-:meth:`WeightGradPath.uninstall` removes the instance attributes.
+``PipelineModule``) a per-instance ``forward``; the class ``nn.Linear`` is never touched, and
+:meth:`WeightGradPath.uninstall` removes the instance attributes. The forward runs the native
+``F.linear`` on a *detached* weight, so autograd computes the input and bias gradients in C++ and
+no weight gradient, and puts a node pre-hook on the ``addmm`` node that holds the layer input
+(flattened to 2-D). While a BackwardInput runs, the hook records (weight, input, output
+gradient) on the path's tape; BackwardWeight runs one GEMM per record and accumulates. Outside
+BackwardInput (a plain ``loss.backward()``) the hook computes the weight gradient at once.
+The pre-hook runs after any tensor hook on the Linear's output, so it sees the final gradient.
 
-Numerics. The formulas are autograd's own for ``F.linear`` on a contiguous input: ``addmm`` on the
-input flattened to 2-D, input gradient ``g @ W``, weight gradient ``g.t() @ x``, bias gradient
-``g`` summed over rows. Under torch autocast the function casts input, weight and bias to the
-autocast dtype as autocast does and computes in that dtype; W sums the calls of one Linear within
-a micro-batch in that dtype before the cast to the parameter's dtype, as autocast's cached weight
-and bias casts make a fused backward do. So the gradients are bitwise those of a fused backward
-on CPU (tests/unit/test_backward_split.py). Calls the formulas do not cover (a non-contiguous or
-1-D input, a dtype mismatch) run plain ``F.linear``, and their weight gradient comes in B
+Where saved-tensor hooks are active (activation checkpointing, offloading), holding the input
+in a hook would defeat them: there the Linear runs :class:`_DeferredLinear`, a custom autograd
+function that saves its input through those hooks and records the same tape (bias gradients
+included, see below).
+
+Numerics. The weight gradient is autograd's own formula for ``F.linear`` on a contiguous input
+(``addmm`` of the input viewed as 2-D and ``W.t()``: ``mm_mat2_backward`` then ``TBackward``, that
+is ``g.t() @ x``). Under torch autocast the input is cast to the autocast dtype as autocast
+would, and W sums the calls of one weight within a micro-batch in that dtype before the cast to
+the parameter's dtype, as autocast's cached weight cast makes a fused backward do. So the
+gradients are bitwise those of a fused backward on CPU (tests/unit/test_backward_split.py).
+Calls the formulas do not cover (a non-contiguous or 1-D input, a dtype mismatch, an input and
+bias that need no gradient) run plain ``F.linear``, and their weight gradient comes in B
 through autograd; a Linear called both ways in one micro-batch gets correct gradients, summed
-in another order than a fused backward.
+in another order than a fused backward. In a plain ``loss.backward()`` under autocast, a Linear
+called twice gets its two weight gradients cast before they are summed.
 
 Every other parameter takes its gradient in B (the engine passes them all as ``inputs=`` to one
 ``torch.autograd.backward``), except parameters of modules the path does not cover: a parameter
