@@ -52,6 +52,8 @@ class RecycleConfig:
     @classmethod
     def from_ds_config(cls, ds_config: Mapping[str, Any]) -> RecycleConfig:
         """Read and validate the ``recycle`` section and the DeepSpeed settings it depends on."""
+        if not isinstance(ds_config, Mapping):
+            raise RecycleConfigError(f"the DeepSpeed config must be an object (a dict), got {type(ds_config).__name__}")
         if SECTION not in ds_config:
             return cls(enabled=False)
         section = ds_config[SECTION]
@@ -65,7 +67,7 @@ class RecycleConfig:
     @classmethod
     def from_section(cls, section: Mapping[str, Any]) -> RecycleConfig:
         allowed = [f.name for f in fields(cls)]
-        unknown = sorted(set(section) - set(allowed))
+        unknown = sorted(set(section) - set(allowed), key=str)
         if unknown:
             raise RecycleConfigError(f"unknown key {SECTION}.{unknown[0]}; allowed keys: {', '.join(allowed)}")
         values = {
@@ -101,7 +103,7 @@ def _timing(value: Any) -> TimingEmulation | None:
     if not isinstance(value, Mapping):
         raise RecycleConfigError(f"{key} must be null or an object with keys F, B, W (milliseconds), got {value!r}")
     allowed = ("F", "B", "W")
-    unknown = sorted(set(value) - set(allowed))
+    unknown = sorted(set(value) - set(allowed), key=str)
     if unknown:
         raise RecycleConfigError(f"unknown key {key}.{unknown[0]}; allowed keys: F, B, W")
     missing = [k for k in allowed if k not in value]
@@ -129,6 +131,6 @@ def _check_deepspeed_compatibility(ds_config: Mapping[str, Any]) -> None:
     stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
     if stage != 0:
         raise RecycleConfigError(
-            f"'zero_optimization.stage' = {stage} is not supported with recycle: ZeRO shards optimizer state "
+            f"'zero_optimization.stage' = {stage!r} is not supported with recycle: ZeRO shards optimizer state "
             "across data-parallel ranks, so a dead rank loses its shard. Allowed: 0"
         )

@@ -6,11 +6,12 @@ Each tick it:
 
 1. takes the rank exits that the launcher observed through waitpid (:meth:`Coordinator.rank_exited`):
    a member of the current epoch that ended non-zero or by a signal, and is not already failed or
-   leaving in ``pending``, is appended as a ``failed`` change and ``alert`` is incremented;
+   leaving in ``pending``, or a joiner whose accepted join is still pending, is appended as a
+   ``failed`` change and ``alert`` is incremented (an exit 0 or 75 is never a failure);
 2. reads the new requests (``request_count``, ``request/<k>``, k = 1, 2, ...) and appends the valid
    ones: the token matches, the kind is ``join`` or ``leave``, the slot is in range, a ``leave``
    comes from a member that is not already on its way out, a ``join`` is for a slot that is not a
-   member (or whose last change is a failure or a leave still to be applied) and has no join pending.
+   member of the current epoch and has no join pending.
    A refused request changes nothing; both outcomes are logged;
 3. checks heartbeats: a member whose last heartbeat (of its current incarnation) is older than the
    timeout is appended as ``failed`` and its process is killed through the launcher's callback, so a
@@ -53,8 +54,10 @@ after this long the index is skipped, so one dead poster cannot stall every late
 class HeartbeatPolicy:
     """When a member's heartbeat is stale. Trainers beat every 0.1 s (membership.HEARTBEAT_SECONDS)."""
 
-    min_timeout: float = 1.0
-    """T_min: never declare a member dead sooner than this after its last heartbeat."""
+    min_timeout: float = proto.HEARTBEAT_MIN_TIMEOUT_SECONDS
+    """T_min: never declare a member dead sooner than this after its last heartbeat. A heartbeat is
+    a Python thread: a rank whose main thread holds the GIL in a long C call (pickling a checkpoint,
+    importing a large package) or a host under load can skip beats for seconds without being hung."""
     factor: float = 3.0
     """k: the timeout is at least k times the slowest published iteration time."""
     startup_timeout: float = 120.0
@@ -225,8 +228,12 @@ class Coordinator:
         if exit.returncode == 0 or exit.returncode == proto.RESTART_EXIT_CODE:
             return
         membership = read_membership(self._store)
-        if exit.slot not in membership.members or self._out(exit.slot):
+        last = self._last_change(exit.slot)
+        joining = exit.slot not in membership.members and last is not None and last.kind == proto.JOIN
+        if not joining and (exit.slot not in membership.members or self._out(exit.slot)):
             return
+        # A joiner that dies before its join is decided is failed too: the decision that admits it
+        # also removes it (the members may have decided the join already, hence the alert).
         self._append(proto.FAILED, exit.slot, exit.observed, exit.describe(), alert=True)
         latency_ms = 1000 * (time.time() - exit.observed)
         self._log(
@@ -281,9 +288,11 @@ class Coordinator:
             if leaving:
                 return f"already {'failed' if last.kind == proto.FAILED else 'leaving'}"
             return ""
-        if member and not leaving:
-            return "already a member of the current epoch"
-        if not member and last is not None and last.kind == proto.JOIN:
+        if member:
+            # Even when its failure or leave is pending: the joiner would see its slot in the current
+            # epoch and take the epoch of its predecessor for its own. It joins once that is decided.
+            return "still a member of the current epoch (post the join once an epoch without it is decided)"
+        if last is not None and last.kind == proto.JOIN:
             return "a join of this slot is already pending"
         return ""
 

@@ -26,6 +26,7 @@ from ds_recycle.runtime.protocol import Membership
 Worker = tuple[int, int]
 """(pipeline, stage)"""
 
+
 def bury(objects) -> None:
     """Keep process groups (and their pending work) alive until the process ends, and beyond: a gloo
     group released while an op on it is stuck blocks the releasing thread, and one released at

@@ -12,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+from ds_recycle.runtime.protocol import HEARTBEAT_MIN_TIMEOUT_SECONDS
+
 MAX_NPROC = 1024
 """More ranks than this on one host is a typo, not a job."""
 USAGE_ERROR = 2
@@ -36,9 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--heartbeat-min-timeout",
         type=float,
-        default=1.0,
+        default=HEARTBEAT_MIN_TIMEOUT_SECONDS,
         metavar="S",
-        help="a member is hung after at least S seconds without heartbeat (default 1)",
+        help=f"a member is hung after at least S seconds without heartbeat (default {HEARTBEAT_MIN_TIMEOUT_SECONDS:g})",
     )
     parser.add_argument(
         "--heartbeat-factor",

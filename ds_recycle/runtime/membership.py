@@ -28,6 +28,9 @@ from ds_recycle.runtime import protocol as proto
 from ds_recycle.runtime.protocol import Change, Decision, Membership, Request
 
 HEARTBEAT_SECONDS = 0.1
+EXIT_GRACE_SECONDS = 30.0
+"""The last heartbeat, written at interpreter exit, is dated this far ahead: tearing down torch and
+gloo can take longer than the hang timeout, and an exiting process is not a hung one."""
 STORE_TIMEOUT_SECONDS = 120.0
 POLL_SECONDS = 0.002
 
@@ -290,3 +293,7 @@ class MembershipAgent:
         self._stop.set()
         if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
             self._heartbeat.join(timeout=2 * HEARTBEAT_SECONDS + 1.0)
+            try:
+                self.store.set(proto.heartbeat_key(self.slot), repr(time.time() + EXIT_GRACE_SECONDS))
+            except Exception:  # the launcher is gone already
+                pass

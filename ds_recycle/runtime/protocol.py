@@ -41,6 +41,8 @@ ENV_GENERATION = "DS_RECYCLE_GENERATION"
 RESTART_EXIT_CODE = 75
 """A trainer exits with this code when training cannot go on in place (a stage lost every worker) and
 a checkpoint exists: ``ds-recycle launch --respawn`` then restarts every rank from it."""
+HEARTBEAT_MIN_TIMEOUT_SECONDS = 10.0
+"""Default floor of the hang timeout (the launcher's ``--heartbeat-min-timeout``)."""
 
 LEAVE = "leave"
 JOIN = "join"

@@ -88,7 +88,7 @@ def test_requests_are_validated_and_refused_ones_change_nothing(harness):
     h.request(proto.LEAVE, WORLD)
     h.wait_for_line(f"slot out of range (0..{WORLD - 1})")
     h.request(proto.JOIN, 2)
-    h.wait_for_line("refused join request for slot 2 from pid 4242: already a member")
+    h.wait_for_line("refused join request for slot 2 from pid 4242: still a member")
     assert h.pending() == [] and h.alerts() == 0, "a refused request must change nothing"
 
     h.request(proto.LEAVE, 3)
@@ -114,17 +114,25 @@ def test_waitpid_exit_of_a_member_is_published_once_as_a_failure(harness):
     (change,) = h.pending()
     assert (change.seq, change.kind, change.slot, change.detail) == (0, proto.FAILED, 2, "signal SIGKILL")
     assert h.alerts() == 1
-    # A failed slot may join again (its respawn); an exit 0, an exit 75 or a non-member's exit is no failure.
+    # A failed slot joins again (its respawn) once an epoch without it is decided, not before.
+    h.request(proto.JOIN, 2)
+    h.wait_for_line("refused join request for slot 2 from pid 4242: still a member")
+    h.advance((0, 1, 3))
     h.request(proto.JOIN, 2)
     h.wait_for_line("accepted join of slot 2")
+    # An exit 0, an exit 75 or a non-member's exit is no failure.
     h.coordinator.rank_exited(RankExit(slot=0, incarnation=0, returncode=0, observed=time.time()))
     h.coordinator.rank_exited(RankExit(slot=1, incarnation=0, returncode=proto.RESTART_EXIT_CODE, observed=time.time()))
-    h.advance((0, 1, 3))
-    h.coordinator.rank_exited(RankExit(slot=2, incarnation=1, returncode=3, observed=time.time()))
     h.request(proto.LEAVE, 3)
     h.wait_for_line("accepted leave of slot 3")
+    h.coordinator.rank_exited(RankExit(slot=3, incarnation=0, returncode=-15, observed=time.time()))
     assert [(c.kind, c.slot) for c in h.pending()] == [(proto.FAILED, 2), (proto.JOIN, 2), (proto.LEAVE, 3)]
     assert h.alerts() == 1
+    # A joiner that dies before its join is decided: failed too, so the admitting decision removes it.
+    h.coordinator.rank_exited(RankExit(slot=2, incarnation=1, returncode=-9, observed=time.time()))
+    h.wait_for_line("published failure of slot 2 (signal SIGKILL) in epoch 1")
+    assert [(c.kind, c.slot) for c in h.pending()][-1] == (proto.FAILED, 2)
+    assert h.alerts() == 2
 
 
 def test_stale_heartbeat_is_a_failure_and_the_process_is_killed():

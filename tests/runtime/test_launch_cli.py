@@ -218,7 +218,20 @@ store.set(proto.heartbeat_key(RANK), proto.HEARTBEAT_STOPPED)  # teardown may ou
 def test_a_sigstopped_rank_is_declared_failed_by_heartbeat_and_killed(tmp_path, jobs):
     script = write(tmp_path, "ranks.py", HEARTBEAT_SCRIPT)
     logs = tmp_path / "logs"
-    job = jobs(["--nproc", "2", "--timeout", "60", "--log-dir", str(logs), script, str(tmp_path)])
+    job = jobs(
+        [
+            "--nproc",
+            "2",
+            "--timeout",
+            "60",
+            "--heartbeat-min-timeout",
+            "1",
+            "--log-dir",
+            str(logs),
+            script,
+            str(tmp_path),
+        ]
+    )
     job.wait_for(r"rank 1 pid \d+ started")
     deadline = time.monotonic() + 60
     while not all((tmp_path / f"ready{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
