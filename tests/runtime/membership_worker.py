@@ -1,0 +1,96 @@
+"""One rank of a membership test, started by ``ds-recycle launch`` (or respawned by it).
+
+It trains the tiny GPT with ReCycle on the deterministic provider until ``--steps`` iterations are
+done, recording every iteration's loss, the (iteration, home, mb, stage) of every F it ran, and its
+progress in ``out/progress<slot>``, so that the test can time its signals. After every iteration
+it saves its ledger and losses (``out/ledger<slot>.<incarnation>.pt``), which is what remains of a
+rank killed by SIGKILL; whatever other way it ends (finished, or left after a SIGTERM), it writes
+``out/<slot>.<incarnation>.pt`` with its final state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch  # noqa: E402
+
+import ds_recycle  # noqa: E402
+from ds_recycle.data import TokenWindowProvider, shipped_corpus_tokens  # noqa: E402
+from ds_recycle.models import GPTConfig, build_gpt_pipeline  # noqa: E402
+
+MODEL = dict(seq_len=16, d_model=32, n_heads=4, n_layers=2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pp", type=int, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
+    parser.add_argument("--config", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    ds_recycle.init_distributed()
+    slot, incarnation = int(os.environ["RANK"]), int(os.environ.get("DS_RECYCLE_INCARNATION", "0"))
+
+    tokenizer, tokens = shipped_corpus_tokens()
+    cfg = GPTConfig(tokenizer.vocab_size, **MODEL)
+    model = build_gpt_pipeline(cfg, num_stages=args.pp, seed=0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if args.optimizer == "adam":
+        optimizer = torch.optim.Adam(params, lr=1e-2, weight_decay=0.01)
+    else:
+        optimizer = torch.optim.SGD(params, lr=5e-2, momentum=0.9)
+    config = json.loads(args.config.read_text())
+    provider = TokenWindowProvider(tokens, cfg.seq_len, config["train_micro_batch_size_per_gpu"], seed=0)
+    engine, _, _, _ = ds_recycle.initialize(model=model, optimizer=optimizer, config=config, training_data=provider)
+    engine.forward_ledger = []
+    losses: dict[int, float] = {}
+    record = {"slot": slot, "incarnation": incarnation, "worker": engine.worker, "joined_at": engine.global_steps}
+    try:
+        while engine.global_steps < args.steps:
+            wait_while_held(args.out / "hold", engine)
+            loss = float(engine.train_batch())
+            # After a recovery the call may have re-run an earlier iteration: it returns the loss of
+            # the iteration it finished last.
+            losses[engine.global_steps - 1] = loss
+            save_atomically(
+                {"ledger": list(engine.forward_ledger), "losses": dict(losses)},
+                args.out / f"ledger{slot}.{incarnation}.pt",
+            )
+            (args.out / f"progress{slot}").write_text(str(engine.global_steps))
+        record["finished"] = True
+    finally:
+        record.update(
+            losses=losses,
+            ledger=engine.forward_ledger,
+            changes=[vars(c) for c in engine.membership_changes],
+            params={k: v.detach().clone() for k, v in engine.module.state_dict().items()},
+            optimizer=engine.optimizer.state_dict(),
+            global_steps=engine.global_steps,
+        )
+        save_atomically(record, args.out / f"{slot}.{incarnation}.pt")
+
+
+def wait_while_held(hold: Path, engine) -> None:
+    """The test paces the job: while ``hold`` names an iteration this rank has reached, it waits at
+    the boundary (heartbeating), so that a respawned rank can re-join before the job ends."""
+    while hold.exists() and engine.global_steps >= int(hold.read_text()):
+        time.sleep(0.005)
+
+
+def save_atomically(obj, path: Path) -> None:
+    """A SIGKILL never leaves a half-written file: the test reads what a killed rank saved last."""
+    partial = path.with_suffix(".partial")
+    torch.save(obj, partial)
+    os.replace(partial, path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""Run a ReCycle job under ``ds-recycle launch`` and act on it from outside, as an operator would.
+
+:class:`Job` starts the launcher as a subprocess, reads its event lines (``rank R pid P started``),
+watches each slot's progress file, and sends real signals to the ranks' PIDs. Every wait is
+bounded; on any error the launcher's process group is killed, by PID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+WORKER = Path(__file__).with_name("membership_worker.py")
+STARTED = re.compile(r"rank (\d+) pid (\d+) started")
+
+
+def ds_config(micro_batches: int, clip: float, recycle: dict | None = None) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": micro_batches,
+        "steps_per_print": 10**9,
+        "gradient_clipping": clip,
+        "recycle": {"enabled": True, **(recycle or {})},
+    }
+
+
+@dataclass
+class Job:
+    tmp: Path
+    pp: int
+    dp: int
+    steps: int
+    config: dict
+    optimizer: str = "adam"
+    respawn: bool = True
+    timeout: float = 240.0
+    lines: list[str] = field(default_factory=list)
+    pids: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.out = self.tmp / "out"
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.tmp / "ds_config.json").write_text(json.dumps(self.config))
+
+    def start(self) -> Job:
+        launcher = [sys.executable, "-m", "ds_recycle.cli", "launch", "--nproc", str(self.pp * self.dp)]
+        if self.respawn:
+            launcher += ["--respawn", "--respawn-delay", "0.2"]
+        launcher += ["--timeout", str(self.timeout), "--log-dir", str(self.tmp / "logs")]
+        script = [str(WORKER), "--pp", str(self.pp), "--steps", str(self.steps), "--optimizer", self.optimizer]
+        script += ["--config", str(self.tmp / "ds_config.json"), "--out", str(self.out)]
+        env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+        self.proc = subprocess.Popen(
+            launcher + script,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        return self
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip())
+            match = STARTED.search(line)
+            if match:
+                self.pids[int(match.group(1))] = int(match.group(2))
+
+    def progress(self, slot: int) -> int:
+        path = self.out / f"progress{slot}"
+        return int(path.read_text() or 0) if path.exists() else 0
+
+    def wait_until(self, condition, what: str, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if condition():
+                return
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the job ended while waiting for {what}:\n" + self.log_tail())
+            time.sleep(0.02)
+        self.kill()
+        raise AssertionError(f"timed out waiting for {what}:\n" + self.log_tail())
+
+    def signal_at(self, slots: list[int], iteration: int, sig: int = signal.SIGTERM, watch: int | None = None) -> None:
+        """Send ``sig`` to ``slots`` once slot ``watch`` (default: the first of them) has finished ``iteration``."""
+        watch = slots[0] if watch is None else watch
+        self.wait_until(lambda: self.progress(watch) >= iteration, f"slot {watch} at iteration {iteration}")
+        pids = {slot: self.pids[slot] for slot in slots}
+        for pid in pids.values():
+            os.kill(pid, sig)
+
+    def hold(self, iteration: int | None) -> None:
+        """Make every rank wait at the boundary once it has finished ``iteration`` iterations (None: go on)."""
+        path = self.out / "hold"
+        if iteration is None:
+            path.unlink(missing_ok=True)
+            return
+        partial = self.out / "hold.partial"
+        partial.write_text(str(iteration))
+        os.replace(partial, path)
+
+    def count(self, pattern: str) -> int:
+        regex = re.compile(pattern)
+        return sum(bool(regex.search(x)) for x in list(self.lines))
+
+    def wait_for_line(self, pattern: str, count: int = 1, timeout: float = 120.0) -> None:
+        self.wait_until(lambda: self.count(pattern) >= count, pattern, timeout)
+
+    def finish(self) -> int:
+        try:
+            code = self.proc.wait(timeout=self.timeout + 30)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError("the launcher did not end:\n" + self.log_tail()) from None
+        self._reader.join(timeout=5)
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def log_tail(self, chars: int = 8000) -> str:
+        logs = "\n".join(self.lines[-60:])
+        for path in sorted((self.tmp / "logs").glob("*.log")):
+            logs += f"\n--- {path.name} ---\n" + path.read_text()[-2000:]
+        return logs[-chars:]
+
+    def records(self) -> list[dict]:
+        """The final records of the processes that ended by themselves (finished or left)."""
+        return [torch.load(p, weights_only=False) for p in sorted(self.out.glob("[0-9]*.pt"))]
+
+    def killed(self) -> dict[tuple[int, int], dict]:
+        """What the processes that left no final record (killed) saved after their last iteration,
+        by (slot, incarnation)."""
+        ended = {path.name for path in self.out.glob("[0-9]*.pt")}
+        saved = {}
+        for path in self.out.glob("ledger*.pt"):
+            slot, incarnation = path.name[len("ledger") : -len(".pt")].split(".")
+            if f"{slot}.{incarnation}.pt" not in ended:
+                saved[int(slot), int(incarnation)] = torch.load(path, weights_only=False)
+        return saved
+
+
+def final_states(records: list[dict]) -> dict[int, dict]:
+    """The state of every slot that finished the job, by slot."""
+    return {r["slot"]: r for r in records if r.get("finished")}
+
+
+def assert_ledger_exact(records: list[dict], pp: int, dp: int, m: int, steps: int) -> None:
+    """Every micro-batch of every iteration ran F exactly once per stage, across all processes.
+
+    A leaver records the iterations it finished; iterations are counted once per completed run."""
+    counts: dict[tuple[int, int, int, int], int] = {}
+    for record in records:
+        for entry in record["ledger"]:
+            counts[tuple(entry)] = counts.get(tuple(entry), 0) + 1
+    expected = {(i, h, k, s) for i in range(steps) for h in range(dp) for k in range(m) for s in range(pp)}
+    missing = sorted(expected - counts.keys())
+    twice = sorted(key for key, n in counts.items() if n != 1)
+    extra = sorted(counts.keys() - expected)
+    assert not missing and not twice and not extra, f"missing {missing[:5]}, repeated {twice[:5]}, extra {extra[:5]}"
