@@ -6,7 +6,8 @@ Example::
         "enabled": true,
         "decoupled_backprop": true,
         "staggered_optimizer": true,
-        "emulate_timing": {"F": 20, "B": 20, "W": 20}
+        "emulate_timing": {"F": 20, "B": 20, "W": 20},
+        "monitor": {"wandb": {"project": "ds-recycle"}}
     }
 
 Every key is documented in docs/config.md.
@@ -15,10 +16,11 @@ Every key is documented in docs/config.md.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 SECTION = "recycle"
+MONITOR_MODES = ("auto", "online", "offline", "disabled")
 
 
 class RecycleConfigError(ValueError):
@@ -39,6 +41,38 @@ class TimingEmulation:
 
 
 @dataclass(frozen=True)
+class WandbMonitorConfig:
+    """``recycle.monitor.wandb``: the W&B run that ds_recycle.integrations.wandb writes."""
+
+    enabled: bool = True
+    project: str = "ds-recycle"
+    group: str | None = None
+    team: str | None = None
+    """The W&B entity (DeepSpeed's name for it)."""
+    name: str | None = None
+    mode: str = "auto"
+    """``auto``: ``WANDB_MODE`` if set, else online with an API key and offline without one."""
+    dir: str | None = None
+    run_id: str | None = None
+    """Default: ``WANDB_RUN_ID``, else one id per ``ds-recycle launch`` job (every writer resumes it)."""
+    tags: tuple[str, ...] = ()
+    init_timeout: float = 60.0
+    """Seconds ``wandb.init`` may take before the monitor falls back to offline (or turns itself off)."""
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """``recycle.monitor``: what the lowest live rank reports about membership and iterations."""
+
+    wandb: WandbMonitorConfig | None = None
+    """None: no W&B monitor."""
+    log_every: int = 1
+    """Log an iteration row every this many iterations (membership changes are always logged)."""
+    events_table: bool = True
+    """Log the ``recycle/events`` table (one row per failed, left or joined worker)."""
+
+
+@dataclass(frozen=True)
 class RecycleConfig:
     enabled: bool = False
     decoupled_backprop: bool = True
@@ -48,6 +82,7 @@ class RecycleConfig:
     """Seconds a respawned process waits to be admitted into the running job."""
     detect_timeout: float = 30.0
     """Seconds a worker that saw a comm error waits for the launcher to name the failed worker."""
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
     @classmethod
     def from_ds_config(cls, ds_config: Mapping[str, Any]) -> RecycleConfig:
@@ -79,13 +114,14 @@ class RecycleConfig:
             emulate_timing=_timing(section.get("emulate_timing")),
             join_timeout=_seconds(section, "join_timeout", cls.join_timeout),
             detect_timeout=_seconds(section, "detect_timeout", cls.detect_timeout),
+            monitor=monitor_config(section.get("monitor")),
         )
 
 
-def _boolean(section: Mapping[str, Any], name: str, default: bool) -> bool:
+def _boolean(section: Mapping[str, Any], name: str, default: bool, key: str = SECTION) -> bool:
     value = section.get(name, default)
     if not isinstance(value, bool):
-        raise RecycleConfigError(f"{SECTION}.{name} must be true or false, got {value!r}")
+        raise RecycleConfigError(f"{key}.{name} must be true or false, got {value!r}")
     return value
 
 
@@ -114,6 +150,57 @@ def _timing(value: Any) -> TimingEmulation | None:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 60_000:
             raise RecycleConfigError(f"{key}.{k} must be a number of milliseconds in [0, 60000], got {v!r}")
     return TimingEmulation(float(value["F"]), float(value["B"]), float(value["W"]))
+
+
+def monitor_config(value: Any) -> MonitorConfig:
+    """Read and validate ``recycle.monitor`` (null or absent: no monitor)."""
+    key = f"{SECTION}.monitor"
+    if value is None:
+        return MonitorConfig()
+    if not isinstance(value, Mapping):
+        raise RecycleConfigError(f"{key} must be null or an object with keys wandb, log_every, events_table")
+    _no_unknown(value, key, [f.name for f in fields(MonitorConfig)])
+    log_every = value.get("log_every", MonitorConfig.log_every)
+    if isinstance(log_every, bool) or not isinstance(log_every, int) or not 1 <= log_every <= 1_000_000:
+        raise RecycleConfigError(f"{key}.log_every must be an integer in [1, 1000000], got {log_every!r}")
+    events_table = _boolean(value, "events_table", MonitorConfig.events_table, key)
+    return MonitorConfig(_wandb_monitor(value.get("wandb")), log_every, events_table)
+
+
+def _wandb_monitor(value: Any) -> WandbMonitorConfig | None:
+    key = f"{SECTION}.monitor.wandb"
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise RecycleConfigError(f'{key} must be null or an object (e.g. {{"project": "ds-recycle"}})')
+    _no_unknown(value, key, [f.name for f in fields(WandbMonitorConfig)])
+    if not _boolean(value, "enabled", True, key):
+        return None
+    mode = value.get("mode", WandbMonitorConfig.mode)
+    if not isinstance(mode, str) or mode not in MONITOR_MODES:
+        raise RecycleConfigError(f"{key}.mode must be one of {', '.join(MONITOR_MODES)}; got {mode!r}")
+    strings: dict[str, str | None] = {}
+    for name in ("project", "group", "team", "name", "dir", "run_id"):
+        v = value.get(name, getattr(WandbMonitorConfig, name))
+        if name == "project" and v is None:
+            raise RecycleConfigError(f"{key}.project must be a non-empty string, got null")
+        if v is not None and (not isinstance(v, str) or not v.strip() or len(v) > 256):
+            raise RecycleConfigError(f"{key}.{name} must be null or a non-empty string (<= 256 chars), got {v!r}")
+        strings[name] = v
+    tags = value.get("tags", [])
+    if not isinstance(tags, list) or not all(isinstance(t, str) and 0 < len(t) <= 64 for t in tags):
+        raise RecycleConfigError(f"{key}.tags must be a list of strings of 1 to 64 characters, got {tags!r}")
+    timeout = value.get("init_timeout", WandbMonitorConfig.init_timeout)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 90:
+        raise RecycleConfigError(f"{key}.init_timeout must be a number of seconds in (0, 90], got {timeout!r}")
+    return WandbMonitorConfig(mode=mode, tags=tuple(tags), init_timeout=float(timeout), **strings)
+
+
+def _no_unknown(section: Mapping[Any, Any], key: str, allowed: list[str]) -> None:
+    unknown = sorted(set(section) - set(allowed), key=str)
+    if unknown:
+        name = unknown[0] if isinstance(unknown[0], str) and unknown[0].isprintable() else repr(unknown[0])
+        raise RecycleConfigError(f"unknown key {key}.{name}; allowed keys: {', '.join(allowed)}")
 
 
 def _check_deepspeed_compatibility(ds_config: Mapping[str, Any]) -> None:
