@@ -51,6 +51,14 @@ def topology_2x2(tmp_path_factory):
             "config": ds_config(m, 0.0, RECYCLE),
             "checkpoint": 1,
         },
+        {"name": "stock-data", "engine": "stock", "optimizer": "adam", "config": ds_config(m), "data": "dataset"},
+        {
+            "name": "recycle-data",
+            "engine": "recycle",
+            "optimizer": "adam",
+            "config": ds_config(m, recycle=RECYCLE),
+            "data": "dataset",
+        },
         {
             "name": "clip-synchronous",
             "engine": "recycle",
@@ -123,6 +131,14 @@ def test_activation_checkpointing_keeps_stock_numerics(topology_2x2):
     non-reentrant checkpoint, which recomputes the same values."""
     _pp, _dp, _m, dumps = topology_2x2
     assert_bitwise_equal(dumps["stock-sgd"], dumps["checkpointed"])
+
+
+def test_training_data_is_stock_deepspeeds_data_loader(topology_2x2):
+    """training_data=dataset: ReCycle loads micro-batch (h, k) of iteration i itself, for any
+    pipeline; fault-free, that is exactly what stock DeepSpeed's own loader gives pipeline h."""
+    _, _, _, runs = topology_2x2
+    assert_bitwise_equal(runs["stock-data"], runs["recycle-data"])
+    assert runs["recycle-data"][0]["losses"] != runs["recycle-adam"][0]["losses"], "the dataset was not used"
 
 
 def test_disabled_recycle_is_stock_deepspeed(topology_2x2):

@@ -26,6 +26,20 @@ from ds_recycle.models import GPTConfig, build_gpt_pipeline  # noqa: E402
 MODEL = dict(seq_len=16, d_model=32, n_heads=4, n_layers=2)
 
 
+class TokenWindows(torch.utils.data.Dataset):
+    """A map-style dataset: sample i is (tokens[i*seq : (i+1)*seq], the same shifted by one)."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int) -> None:
+        self.tokens, self.seq_len = tokens, seq_len
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.seq_len
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = i * self.seq_len
+        return self.tokens[start : start + self.seq_len], self.tokens[start + 1 : start + self.seq_len + 1]
+
+
 def run_one(run: dict, pp: int, steps: int, out: Path) -> None:
     tokenizer, tokens = shipped_corpus_tokens()
     cfg = GPTConfig(tokenizer.vocab_size, **MODEL)
@@ -39,9 +53,12 @@ def run_one(run: dict, pp: int, steps: int, out: Path) -> None:
     else:
         optimizer = torch.optim.SGD(params, lr=5e-2, momentum=0.9)
     init = deepspeed.initialize if run["engine"] == "stock" else ds_recycle.initialize
-    engine, _, _, _ = init(model=model, optimizer=optimizer, config=run["config"])
+    dataset = TokenWindows(tokens, cfg.seq_len) if run.get("data") == "dataset" else None
+    engine, _, _, _ = init(model=model, optimizer=optimizer, config=run["config"], training_data=dataset)
     provider = TokenWindowProvider(tokens, cfg.seq_len, engine.train_micro_batch_size_per_gpu(), seed=0)
     data = pipeline_iterator(provider, engine.grid.get_data_parallel_id(), engine.gradient_accumulation_steps())
+    if dataset is not None:
+        data = None  # the engine loads from training_data itself
     losses, norms, events = [], [], []
     for _ in range(steps):
         losses.append(float(engine.train_batch(data)))
