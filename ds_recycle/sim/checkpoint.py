@@ -1,0 +1,108 @@
+"""Checkpoint-restart: stock 1F1B pipelines that restart from the last checkpoint on any failure.
+
+Model (paper-eval.md §4.1; the Varuna model of Oobleck's artifact):
+
+- the job runs ``D'`` pipelines of ``P`` stages (the same layout as ReCycle's grid), each running
+  ``ceil(D m / D')`` micro-batches so that the global batch is kept;
+- a checkpoint costs ``C`` seconds every ``tau`` seconds of running (fixed, or Young's
+  ``sqrt(2 C MTTF)``), charged as the rate factor ``1 - C / tau``;
+- a failure of a working node loses the running time since the last checkpoint (at most one
+  interval), then pauses ``R`` (restart: detect, reschedule, re-initialize, load);
+- policy ``shrink`` restarts on ``D' = floor(live / P)`` pipelines at once ("job morphing");
+  ``wait`` restarts only when ``D P`` nodes are live again (a replacement or a repair);
+- with ``shrink``, when spare nodes can form another pipeline the job checkpoints and restarts on
+  more pipelines (a planned restart: ``C + R``, nothing lost).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ds_recycle.sim.job import Job, iteration_1f1b
+from ds_recycle.sim.timeline import CheckpointClock, Phase
+
+POLICIES = ("shrink", "wait")
+
+
+@dataclass(frozen=True)
+class CheckpointParams:
+    policy: str = "shrink"
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"checkpoint policy {self.policy!r}: one of {', '.join(POLICIES)}")
+
+
+class CheckpointRestart:
+    name = "checkpoint"
+
+    def __init__(self, job: Job, params: CheckpointParams = CheckpointParams(), clock_offset: float = 0.0):
+        self.job = job
+        self.params = params
+        self.active: list[str] = []
+        """Nodes of the running pipelines, ``P`` per pipeline."""
+        self.spares: list[str] = []
+        self.notes: list[str] = []
+        self.clock = CheckpointClock(job.checkpoint_interval, clock_offset)
+
+    @property
+    def pipelines(self) -> int:
+        return len(self.active) // self.job.stages
+
+    def start(self, nodes: Sequence[str]) -> list[Phase]:
+        self._pack(list(nodes))
+        return [self._steady()]
+
+    def change(self, now: float, removed: Sequence[str], added: Sequence[str]) -> list[Phase]:
+        gone = set(removed)
+        hit = any(n in gone for n in self.active)
+        was_running = self.pipelines > 0
+        alive = [n for n in self.active + self.spares if n not in gone] + list(added)
+        ckpt = self.job.checkpointing
+        if hit:
+            lost = self.clock.lost(now) if was_running else 0.0
+            self._pack(alive)
+            self.notes.append("restart")
+            if self.pipelines == 0:
+                self.notes.append("waiting for nodes")
+                self.clock.pause(now, lost, restart=True)
+                return [Phase(lost, 0.0, "lost work"), self._steady()]
+            self.clock.pause(now, lost + ckpt.restart_s, restart=True)
+            return [Phase(lost, 0.0, "lost work"), Phase(ckpt.restart_s, 0.0, "restart"), self._steady()]
+        before = self.pipelines
+        target = self._target(len(alive))
+        if target > before:
+            self._pack(alive)
+            if before == 0:
+                self.notes.append("restart")
+                self.clock.pause(now, ckpt.restart_s, restart=True)
+                return [Phase(ckpt.restart_s, 0.0, "restart"), self._steady()]
+            self.notes.append("grow")
+            pause = ckpt.cost_s + ckpt.restart_s
+            self.clock.pause(now, pause, restart=True)
+            return [Phase(pause, 0.0, "grow"), self._steady()]
+        self.spares = [n for n in alive if n not in self.active]
+        return [self._steady()]
+
+    def rate(self) -> float:
+        D = self.pipelines
+        if D == 0:
+            return 0.0
+        job = self.job
+        b = math.ceil(job.global_batch / D)
+        return job.global_batch / iteration_1f1b(job, job.stages, b, D) * job.checkpoint_efficiency
+
+    def _target(self, live: int) -> int:
+        job = self.job
+        if self.params.policy == "wait":
+            return job.pipelines if live >= job.workers else 0
+        return min(job.pipelines, live // job.stages)
+
+    def _pack(self, nodes: list[str]) -> None:
+        used = self._target(len(nodes)) * self.job.stages
+        self.active, self.spares = nodes[:used], nodes[used:]
+
+    def _steady(self) -> Phase:
+        return Phase(math.inf, self.rate())

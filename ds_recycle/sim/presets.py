@@ -1,0 +1,158 @@
+"""Model and hardware descriptions for the paper-scale simulator (sources in docs/simulator.md).
+
+Per-layer times and memory are per GPT-3-family decoder layer, bf16 autocast, sequence 2048,
+micro-batch 1 sequence, tensor-parallel degree 1, measured on one H100 (gpu-bw-split.md).
+350M and 2.7B were not measured: they are scaled from the 1.3B layer by matmul FLOPs (times)
+and by hidden size (memory), which makes the small layers optimistic (kernels are less
+efficient at small sizes).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+SEQ_LEN = 2048
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    layers: int
+    hidden: int
+    params_per_layer: float
+    """Parameters of one decoder layer (12 h^2 + 13 h)."""
+    F_ms: float
+    """Per layer, tensor-parallel degree 1: forward."""
+    B_ms: float
+    """BackwardInput (decoupled)."""
+    W_ms: float
+    """BackwardWeight (decoupled)."""
+    fused_ms: float
+    """Fused backward (what 1F1B systems run)."""
+    act_mib: float
+    """Activations one micro-batch holds between F and B."""
+    held_mib: float
+    """What one micro-batch holds between B and W when W is deferred."""
+    tp: int = 1
+    """Tensor-parallel degree: one pipeline worker is a group of ``tp`` GPUs."""
+    source: str = "measured"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"model name {self.name!r} must be a non-empty string")
+        if not isinstance(self.source, str):
+            raise ValueError(f"model {self.name}: source {self.source!r} must be a string")
+        for name in ("layers", "hidden", "tp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1_000_000:
+                raise ValueError(f"model {self.name}: {name} = {value!r} must be an integer in 1..1000000")
+        for name in ("params_per_layer", "F_ms", "B_ms", "W_ms", "fused_ms", "act_mib", "held_mib"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1e15:
+                raise ValueError(f"model {self.name}: {name} = {value!r} must be a finite number in (0, 1e15]")
+
+    @property
+    def params(self) -> float:
+        """Decoder-layer parameters (embeddings are counted separately by the cost model)."""
+        return self.layers * self.params_per_layer
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpu_memory: float = 80 * 2**30
+    """Bytes of one GPU (H100 SXM 80 GB)."""
+    usable_memory: float = 0.9
+    """Fraction left after the framework, NCCL buffers and fragmentation."""
+    network_bandwidth: float = 50e9
+    """Bytes/s per GPU between nodes (one 400 Gb/s NIC per GPU)."""
+    network_latency: float = 10e-6
+    """Seconds per p2p message on top of its bytes."""
+    hbm_bandwidth: float = 2e12
+    """Bytes/s the optimizer streams over its state."""
+    tp_efficiency: float = 0.9
+    """Per-layer speed-up of a TP group is ``tp * tp_efficiency``."""
+    state_bytes_per_param: float = 16.0
+    """fp32 weights + fp32 grads + Adam m and v; no ZeRO (DP peers are the redundancy)."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1e18:
+                raise ValueError(f"hardware: {f.name} = {value!r} must be a finite number > 0")
+        if self.usable_memory > 1 or self.tp_efficiency > 1:
+            raise ValueError("hardware: usable_memory and tp_efficiency must be in (0, 1]")
+
+
+VOCAB = 50257
+"""GPT-2/GPT-3 BPE vocabulary: the LM head on the last stage, the embedding on the first."""
+
+
+def _layer_params(h: int) -> float:
+    return 12 * h * h + 13 * h
+
+
+def _layer_flops(h: int) -> float:
+    return 24 * SEQ_LEN * h * h + 4 * SEQ_LEN * SEQ_LEN * h
+
+
+def _scaled(name: str, layers: int, hidden: int, ref: ModelSpec) -> ModelSpec:
+    t = _layer_flops(hidden) / _layer_flops(ref.hidden)
+    mem = hidden / ref.hidden
+    return ModelSpec(
+        name,
+        layers,
+        hidden,
+        _layer_params(hidden),
+        ref.F_ms * t,
+        ref.B_ms * t,
+        ref.W_ms * t,
+        ref.fused_ms * t,
+        ref.act_mib * mem,
+        ref.held_mib * mem,
+        source=f"scaled from {ref.name} by FLOPs",
+    )
+
+
+_GPT3_1_3B = ModelSpec("1.3B", 24, 2048, 50.4e6, 0.750, 1.090, 0.538, 1.393, 160, 152)
+
+PRESETS: dict[str, ModelSpec] = {
+    "350M": _scaled("350M", 24, 1024, _GPT3_1_3B),
+    "1.3B": _GPT3_1_3B,
+    "2.7B": _scaled("2.7B", 32, 2560, _GPT3_1_3B),
+    "6.7B": ModelSpec("6.7B", 32, 4096, 201.4e6, 1.858, 2.575, 1.849, 3.960, 320, 304),
+    "13B": ModelSpec("13B", 40, 5120, 314.6e6, 2.811, 3.681, 2.884, 5.789, 400, 380),
+    "39B": ModelSpec("39B", 48, 8192, 805.4e6, 6.560, 7.975, 7.235, 13.349, 641, 608, tp=4),
+    "175B": ModelSpec("175B", 96, 12288, 1812.1e6, 14.380, 16.242, 16.253, 28.444, 961, 961, tp=8),
+}
+
+
+def get_model(name: str, tp: int | None = None) -> ModelSpec:
+    """A preset by name (``PRESETS``) or a JSON file with ModelSpec's fields. ValueError names
+    the problem."""
+    if name in PRESETS:
+        spec = PRESETS[name]
+    elif name.endswith(".json"):
+        spec = _load(Path(name))
+    else:
+        raise ValueError(f"unknown model {name!r}: one of {', '.join(PRESETS)} or a .json file with ModelSpec fields")
+    return spec if tp is None else replace(spec, tp=tp)
+
+
+def _load(path: Path) -> ModelSpec:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read model file {path}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"model file {path} is not JSON: {exc}") from None
+    names = {f.name for f in fields(ModelSpec)}
+    if not isinstance(data, dict) or set(data) - names:
+        raise ValueError(f"model file {path}: expected an object with the keys {sorted(names)}")
+    data.setdefault("name", path.stem)
+    data.setdefault("source", str(path))
+    try:
+        return ModelSpec(**data)
+    except TypeError as exc:
+        raise ValueError(f"model file {path}: {exc}") from None

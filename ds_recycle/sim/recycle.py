@@ -1,0 +1,209 @@
+"""ReCycle at paper scale: the planner's steady-state period for each failure set.
+
+The grid is ``pipelines x stages`` slots; node ``i`` of the initial list sits in slot ``i``, i.e.
+worker ``(i // stages, i % stages)``, and nodes beyond the grid wait as spares. A lost node leaves
+its slot dead and the survivors re-route its micro-batches (a new plan); a spare or a new node
+re-joins into the dead slot of the stage with the most failures, copying its stage's state from a
+DP peer. Each failure set is planned once through the plan cache (normalized, so relabelled sets
+share a plan) under the memory cap; above ``max_plan_ops`` F/B/W ops the planner's lower bound
+stands in for the plan (flagged ``bound`` in the results). A stage with no survivor, or a failure
+set the planner cannot fit under the memory cap, falls back to a checkpoint restart, after which the
+live nodes are packed into the grid pipeline by pipeline.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ds_recycle.planner.cache import PlanCache
+from ds_recycle.planner.heuristic import plan_heuristic
+from ds_recycle.planner.limits import LIMITS
+from ds_recycle.planner.list_scheduler import ScheduleOptions
+from ds_recycle.planner.lower_bound import lower_bound
+from ds_recycle.sim.job import Job
+from ds_recycle.sim.timeline import CheckpointClock, Phase
+
+Failed = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class RecycleParams:
+    detect_s: float = 5.0
+    """From the failure to the survivors' agreement: a p2p/collective exception is immediate, the
+    epoch vote and heartbeat confirmation take seconds (DESIGN.md §5) [assumption]."""
+    rebuild_s: float = 10.0
+    """New communication groups for the new epoch (NCCL communicator creation at scale) [assumption]."""
+    lookup_s: float = 0.001
+    """Plan cache hit (a dict lookup; docs/planner.md)."""
+    lost_iteration_fraction: float = 0.5
+    """Expected share of the in-flight iteration rolled back and run again (uniform failure time)."""
+    cap_factor: float = 2.0
+    """The planner may hold up to ``cap_factor * stages`` micro-batches, if memory allows [assumption]."""
+    max_plan_ops: int = 30_000
+    """Largest ``3 D P m`` planned by the heuristic; above it the lower bound stands in."""
+
+    def __post_init__(self) -> None:
+        for name in ("detect_s", "rebuild_s", "lookup_s", "lost_iteration_fraction", "cap_factor"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"recycle: {name} = {value!r} must be a finite number >= 0")
+        if not 1 <= self.max_plan_ops <= LIMITS.max_ops:
+            raise ValueError(f"recycle: max_plan_ops = {self.max_plan_ops} must be in 1..{LIMITS.max_ops}")
+
+
+class Recycle:
+    name = "recycle"
+
+    def __init__(
+        self,
+        job: Job,
+        params: RecycleParams = RecycleParams(),
+        cache: PlanCache | None = None,
+        clock_offset: float = 0.0,
+    ):
+        self.job = job
+        self.params = params
+        self.cache = cache if cache is not None else PlanCache()
+        self.memory_cap = max(1, min(job.layout.memory_cap, int(params.cap_factor * job.stages)))
+        self.slots: list[str | None] = [None] * job.workers
+        self.spares: list[str] = []
+        self.down = False
+        self.notes: list[str] = []
+        self.clock = CheckpointClock(job.checkpoint_interval, clock_offset)
+        self._periods: dict[tuple, float | None] = {}
+        self.sources: set[str] = set()
+        """How periods were obtained: ``plan`` (the heuristic) and/or ``bound`` (the lower bound)."""
+
+    # ----- the System protocol -----
+
+    def start(self, nodes: Sequence[str]) -> list[Phase]:
+        self._pack(list(nodes))
+        return [self._steady()]
+
+    def change(self, now: float, removed: Sequence[str], added: Sequence[str]) -> list[Phase]:
+        before = self.rate()
+        lost_worker = False
+        for node in removed:
+            if node in self.spares:
+                self.spares.remove(node)
+            elif node in self.slots:
+                self.slots[self.slots.index(node)] = None
+                lost_worker = True
+        self.spares.extend(added)
+        ckpt = self.job.checkpointing
+        if self.down:
+            self._pack(self._alive())
+            if self.down:
+                return [self._steady()]
+            self.notes.append("restart")
+            self.clock.pause(now, ckpt.restart_s, restart=True)
+            return [Phase(ckpt.restart_s, 0.0, "restart"), self._steady()]
+        phases: list[Phase] = []
+        if lost_worker:
+            if self.period(self.failed()) is None:
+                lost = self.clock.lost(now)
+                self.notes.append("checkpoint fallback")
+                self._pack(self._alive())
+                pause = lost + (ckpt.restart_s if not self.down else 0.0)
+                self.clock.pause(now, pause, restart=True)
+                phases += [Phase(lost, 0.0, "lost work")]
+                if self.down:
+                    self.notes.append("waiting for nodes")
+                    return phases + [self._steady()]
+                return phases + [Phase(ckpt.restart_s, 0.0, "restart"), self._steady()]
+            p = self.params
+            redo = p.lost_iteration_fraction * (self.job.global_batch / before if before > 0 else 0.0)
+            phases += [Phase(redo, 0.0, "lost work"), Phase(p.detect_s + p.rebuild_s + p.lookup_s, 0.0, "recover")]
+            self.notes.append("re-route")
+        joined = self._fill_from_spares()
+        if joined:
+            copy = self.job.layout.state_bytes / self.job.hw.network_bandwidth
+            phases.append(Phase(copy + self.params.rebuild_s, 0.0, "re-join"))
+            self.notes.append("re-join")
+        self.clock.pause(now, sum(ph.duration for ph in phases), restart=False)
+        return phases + [self._steady()]
+
+    # ----- throughput -----
+
+    def failed(self) -> Failed:
+        P = self.job.stages
+        return tuple((i // P, i % P) for i, node in enumerate(self.slots) if node is None)
+
+    def rate(self) -> float:
+        """Samples per second in steady state (checkpoint cost included), 0 when down."""
+        if self.down:
+            return 0.0
+        period = self.period(self.failed())
+        return 0.0 if period is None else self.job.global_batch / period * self.job.checkpoint_efficiency
+
+    def period(self, failed: Sequence[tuple[int, int]], options: ScheduleOptions = ScheduleOptions()) -> float | None:
+        """Steady-state seconds per iteration for ``failed``, or None when ReCycle cannot run it
+        (a stage without survivor, or no plan under the memory cap)."""
+        job = self.job
+        D, P, m = job.pipelines, job.stages, job.microbatches
+        per_stage = [0] * P
+        for _p, s in failed:
+            per_stage[s] += 1
+        if any(f >= D for f in per_stage):
+            return None
+        failed = tuple(sorted(failed))
+        costs = job.layout.costs
+        if 3 * D * P * m > self.params.max_plan_ops:
+            key: tuple = ("bound", tuple(per_stage))
+            if key not in self._periods:
+                self._periods[key] = lower_bound(D, P, m, failed, costs, self.memory_cap) / 1e3
+            self.sources.add("bound")
+            return self._periods[key]
+        key = ("plan", failed, options)
+        if key not in self._periods:
+            try:
+                if options == ScheduleOptions():
+                    plan = self.cache.get_or_plan(D, P, m, failed, costs, self.memory_cap)
+                else:
+                    plan = plan_heuristic(D, P, m, failed, costs, self.memory_cap, options)
+                self._periods[key] = plan.steady_state_period / 1e3
+            except ValueError:
+                self._periods[key] = None
+        self.sources.add("plan")
+        return self._periods[key]
+
+    def bound_period(self, failed: Sequence[tuple[int, int]]) -> float:
+        """The planner's lower bound on the iteration time, in seconds."""
+        job = self.job
+        return lower_bound(job.pipelines, job.stages, job.microbatches, failed, job.layout.costs, self.memory_cap) / 1e3
+
+    def rerouting_only_period(self, failed: Sequence[tuple[int, int]]) -> float | None:
+        """The ablation without ReCycle's schedule: the same re-routing planned with a fused
+        backward and a synchronous step (no W in the bubbles, no staggered step)."""
+        return self.period(failed, ScheduleOptions(decoupled=False, staggered=False))
+
+    # ----- helpers -----
+
+    def _steady(self) -> Phase:
+        return Phase(math.inf, self.rate())
+
+    def _alive(self) -> list[str]:
+        return [n for n in self.slots if n is not None] + self.spares
+
+    def _pack(self, nodes: list[str]) -> None:
+        n = len(self.slots)
+        self.slots = [nodes[i] if i < len(nodes) else None for i in range(n)]
+        self.spares = nodes[n:]
+        self.down = self.period(self.failed()) is None
+
+    def _fill_from_spares(self) -> int:
+        joined = 0
+        P = self.job.stages
+        while self.spares:
+            dead = [i for i, node in enumerate(self.slots) if node is None]
+            if not dead:
+                break
+            per_stage = [0] * P
+            for i in dead:
+                per_stage[i % P] += 1
+            slot = max(dead, key=lambda i: (per_stage[i % P], -i))
+            self.slots[slot] = self.spares.pop(0)
+            joined += 1
+        return joined
