@@ -13,6 +13,7 @@ from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 from ds_recycle.config import RecycleConfig, RecycleConfigError
 from ds_recycle.data import DatasetMicroBatches
 from ds_recycle.engine import RecyclePipelineEngine
+from ds_recycle.integrations.wandb import attach_monitors, without_deepspeed_wandb
 from ds_recycle.runtime.distributed import membership_agent
 
 
@@ -44,6 +45,7 @@ def initialize(
     included."""
     config = _resolve_config(args, config if config is not None else config_params)
     recycle = RecycleConfig.from_ds_config(config)
+    config = without_deepspeed_wandb(config, recycle)  # recycle.monitor.wandb replaces DeepSpeed's wandb monitor
     if not isinstance(model, PipelineModule):
         if recycle.enabled:
             raise RecycleConfigError(
@@ -105,6 +107,7 @@ def initialize(
         micro_batch_source=provider,
     )
     engine._configure_python_gc()
+    attach_monitors(engine, recycle, config)  # recycle.monitor: called on the lowest live rank only
     if recycle.enabled and training_data is not None:
         engine.micro_batch_source = DatasetMicroBatches(
             training_data,
