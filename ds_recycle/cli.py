@@ -31,6 +31,7 @@ from pathlib import Path
 
 from ds_recycle.planner.limits import LIMITS, LimitError, check_costs, check_png, check_problem, duration_range
 from ds_recycle.runtime import launch_cli
+from ds_recycle.sim import cli as simulate_cli
 
 USAGE_ERROR = 2
 
@@ -539,6 +540,7 @@ COMMANDS: dict[str, Command] = {
         run=_run_plan,
     ),
     "launch": Command(help=launch_cli.HELP, add_arguments=launch_cli.add_arguments, run=launch_cli.run),
+    "simulate": Command(help=simulate_cli.HELP, add_arguments=simulate_cli.add_arguments, run=simulate_cli.run),
 }
 """Implemented subcommands. ``simulate`` and ``launch`` are added here when they exist."""
 

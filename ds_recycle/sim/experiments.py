@@ -195,20 +195,21 @@ def sweep(
 
 
 def _recycle_references(system: Recycle, failed: list[tuple[int, int]]) -> dict[str, float | str | None]:
+    """ReCycle's plan against its references: the lower bound on the iteration time (from idle)
+    and the rerouting-only ablation (1F1B with a fused backward, synchronous step)."""
     job = system.job
     G, eff = job.global_batch, job.checkpoint_efficiency
-    period = system.period(failed)
-    if period is None:
+    figures = system.figures(failed)
+    if figures is None:
         return {"period_s": None, "source": "checkpoint fallback"}
-    bound = system.bound_period(failed)
-    planned = 3 * job.pipelines * job.stages * job.microbatches <= system.params.max_plan_ops
+    period, iteration, source = figures
     out: dict[str, float | str | None] = {
         "period_s": period,
-        "source": "plan" if planned else "bound",
-        "bound_period_s": bound,
-        "bound_samples_per_s": G / bound * eff,
+        "iteration_s": iteration,
+        "source": source,
+        "bound_s": system.bound_period(failed),
     }
-    if planned:
+    if source == "plan":
         reroute = system.rerouting_only_period(failed)
         out["rerouting_only_period_s"] = reroute
         out["rerouting_only_samples_per_s"] = None if reroute is None else G / reroute * eff

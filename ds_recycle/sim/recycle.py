@@ -27,6 +27,8 @@ from ds_recycle.sim.timeline import CheckpointClock, Phase
 
 Failed = tuple[tuple[int, int], ...]
 
+REROUTING_ONLY = ScheduleOptions(decoupled=False, staggered=False)
+
 
 @dataclass(frozen=True)
 class RecycleParams:
@@ -138,9 +140,15 @@ class Recycle:
         period = self.period(self.failed())
         return 0.0 if period is None else self.job.global_batch / period * self.job.checkpoint_efficiency
 
-    def period(self, failed: Sequence[tuple[int, int]], options: ScheduleOptions = ScheduleOptions()) -> float | None:
+    def period(self, failed: Sequence[tuple[int, int]]) -> float | None:
         """Steady-state seconds per iteration for ``failed``, or None when ReCycle cannot run it
         (a stage without survivor, or no plan under the memory cap)."""
+        figures = self.figures(failed)
+        return None if figures is None else figures[0]
+
+    def figures(self, failed: Sequence[tuple[int, int]]) -> tuple[float, float, str] | None:
+        """(steady-state period, iteration time from idle, source) in seconds for ``failed``;
+        source is ``plan`` or ``bound`` (above ``max_plan_ops``, both figures are the bound)."""
         job = self.job
         D, P, m = job.pipelines, job.stages, job.microbatches
         per_stage = [0] * P
@@ -153,31 +161,41 @@ class Recycle:
         if 3 * D * P * m > self.params.max_plan_ops:
             key: tuple = ("bound", tuple(per_stage))
             if key not in self._periods:
-                self._periods[key] = lower_bound(D, P, m, failed, costs, self.memory_cap) / 1e3
+                bound = lower_bound(D, P, m, failed, costs, self.memory_cap) / 1e3
+                self._periods[key] = (bound, bound, "bound")
             self.sources.add("bound")
             return self._periods[key]
-        key = ("plan", failed, options)
+        key = ("plan", failed)
         if key not in self._periods:
             try:
-                if options == ScheduleOptions():
-                    plan = self.cache.get_or_plan(D, P, m, failed, costs, self.memory_cap)
-                else:
-                    plan = plan_heuristic(D, P, m, failed, costs, self.memory_cap, options)
-                self._periods[key] = plan.steady_state_period / 1e3
+                plan = self.cache.get_or_plan(D, P, m, failed, costs, self.memory_cap)
+                self._periods[key] = (plan.steady_state_period / 1e3, plan.iteration_time / 1e3, "plan")
             except ValueError:
                 self._periods[key] = None
         self.sources.add("plan")
         return self._periods[key]
 
     def bound_period(self, failed: Sequence[tuple[int, int]]) -> float:
-        """The planner's lower bound on the iteration time, in seconds."""
+        """The planner's lower bound on the iteration time (from idle), in seconds."""
         job = self.job
         return lower_bound(job.pipelines, job.stages, job.microbatches, failed, job.layout.costs, self.memory_cap) / 1e3
 
     def rerouting_only_period(self, failed: Sequence[tuple[int, int]]) -> float | None:
-        """The ablation without ReCycle's schedule: the same re-routing planned with a fused
-        backward and a synchronous step (no W in the bubbles, no staggered step)."""
-        return self.period(failed, ScheduleOptions(decoupled=False, staggered=False))
+        """The ablation without ReCycle's schedule: the same re-routing planned with the fused
+        backward of stock 1F1B and a synchronous step (no W in the bubbles, no staggered step).
+        With no failure it is the stock 1F1B iteration."""
+        job = self.job
+        key = ("reroute", tuple(sorted(failed)))
+        if key not in self._periods:
+            cap = max(1, min(job.layout.fused_memory_cap, int(self.params.cap_factor * job.stages)))
+            try:
+                plan = plan_heuristic(
+                    job.pipelines, job.stages, job.microbatches, failed, job.layout.fused, cap, REROUTING_ONLY
+                )
+                self._periods[key] = plan.steady_state_period / 1e3
+            except ValueError:
+                self._periods[key] = None
+        return self._periods[key]
 
     # ----- helpers -----
 
