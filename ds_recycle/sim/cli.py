@@ -325,7 +325,8 @@ def _study(args: argparse.Namespace):
         D = args.pipelines if args.pipelines is not None else trace.peak // P
         if D < 1:
             raise SimulateUsageError(
-                f"--stages {P}: the trace has at most {trace.peak} nodes, fewer than one pipeline; allowed 1..{trace.peak}"
+                f"--stages {P}: the trace has at most {trace.peak} nodes, fewer than one pipeline; "
+                f"allowed 1..{trace.peak}"
             )
         if D > MAX_SWEEP_PIPELINES:
             raise SimulateUsageError(
