@@ -26,6 +26,7 @@ from ds_recycle.runtime.events import IterationStats, MembershipChange, PlanSumm
 
 WANDB_ENV = ("WANDB_RUN_ID", "WANDB_RESUME", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_RUN_GROUP", "WANDB_DIR")
 WANDB_ENV += ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL", "NETRC", "DS_RECYCLE_TOKEN")
+WANDB_ENV += ("WANDB_SERVICE",)  # set by wandb in a process that started wandb-core: children would share it
 
 
 @pytest.fixture
@@ -383,8 +384,9 @@ def test_killing_the_writer_moves_the_run_to_the_next_lowest_rank(tmp_path, clea
     event, *after = second  # rank 1 took over: the membership change first, then every later iteration
     assert event["recycle/membership_epoch"] == 1 and event["recycle/event/failed"] == 1
     assert event["train/global_step"] in (KILL_AFTER - 1, KILL_AFTER)  # the in-flight iteration may roll back
-    for key in ("detection_s", "rebuild_s", "recovery_s"):
-        assert 0 < event[f"recycle/event/{key}"] < 60, key
+    # detection counts from the launcher's waitpid, which a survivor's failed receive may precede: >= 0
+    assert 0 <= event["recycle/event/detection_s"] < 60
+    assert 0 < event["recycle/event/rebuild_s"] < 60 and 0 < event["recycle/event/recovery_s"] < 60
     assert event["recycle/event/recovery_s"] >= event["recycle/event/detection_s"]
     assert event["recycle/live_workers/stage_0"] == 1 and event["recycle/live_workers/stage_1"] == 2
     assert event["recycle/failed_workers"] == 1 and event["recycle/rerouted_microbatches"] > 0
