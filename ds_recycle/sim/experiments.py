@@ -316,6 +316,7 @@ def poisson(
             run = replay(make_system(name, job, params, 0.0, cache), initial, events, hours * 3600.0)
             entry["systems"][name] = run.samples_per_s
             merged = _mean_run(name, [totals[name], run])
+            merged.segments = totals[name].segments or run.segments  # the first repetition's, for plots
             totals[name] = merged
         series.append(entry)
     config = {
