@@ -35,10 +35,12 @@ import torch
 from deepspeed.runtime.pipe.module import PipelineModule
 from torch.utils.data import DataLoader, Dataset
 from transformers import PretrainedConfig, PreTrainedModel, Trainer, TrainingArguments
+from transformers.integrations import WandbCallback
 from transformers.trainer_callback import ProgressCallback
 
-from ds_recycle.config import RecycleConfigError
+from ds_recycle.config import RecycleConfig, RecycleConfigError, WandbMonitorConfig
 from ds_recycle.integrations.hf_model import causal_lm_pipeline, load_hf_state_dict, pipeline_batch, to_hf_state_dict
+from ds_recycle.integrations.wandb import share_run_through_environment
 
 AUTO = "auto"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -238,7 +240,8 @@ class RecycleTrainer(Trainer):
         return lowest() if lowest is not None else self.engine.global_rank == 0
 
     def _follow_leader(self) -> None:
-        """After a membership change the leader may be a new process: give it the progress bar."""
+        """After a membership change the leader may be a new process: give it the progress bar, and
+        let HF's ``WandbCallback`` open (resume) the job's run on it."""
         leader = self.is_world_process_zero()
         if leader == self.state.is_world_process_zero:
             return
@@ -247,6 +250,8 @@ class RecycleTrainer(Trainer):
             if isinstance(callback, ProgressCallback) and leader and callback.training_bar is None:
                 callback.on_train_begin(self.args, self.state, self.control)
                 callback.current_step = self.state.global_step
+            if isinstance(callback, WandbCallback) and leader and getattr(callback._wandb, "run", None) is None:
+                callback._initialized = False  # set up again (wandb.init) on its next on_log
 
     # ---- data ---------------------------------------------------------------------------------
 
@@ -306,6 +311,8 @@ class RecycleTrainer(Trainer):
         )
         self.engine = self.deepspeed = engine
         self.model_wrapped = engine
+        if "wandb" in (self.args.report_to or []):
+            self._share_wandb_run(config)
         self._own_data = getattr(engine, "micro_batch_source", None) or _own_micro_batches(
             engine, self.train_dataset, self._pipeline_collate
         )
@@ -327,6 +334,14 @@ class RecycleTrainer(Trainer):
             setattr(self.callback_handler, attr, getattr(self, attr))
         self.callback_handler.train_dataloader = train_dataloader
         return engine, train_dataloader
+
+    def _share_wandb_run(self, config: Mapping) -> None:
+        """HF's ``WandbCallback`` opens the run of ``recycle.monitor.wandb`` (its id, project and
+        mode: offline without an API key), and a leader that takes over resumes the same run id."""
+        settings = RecycleConfig.from_ds_config(config).monitor.wandb
+        share_run_through_environment(
+            settings or WandbMonitorConfig(project=os.environ.get("WANDB_PROJECT", "huggingface"))
+        )
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         """Collect one tick per micro-batch; on the last of the step run ``engine.train_batch``.

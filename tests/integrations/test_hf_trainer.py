@@ -21,7 +21,7 @@ WORLD = 4
 TIMEOUT = 240
 
 
-def run_example(out: Path, *extra: str) -> dict[int, dict]:
+def run_example(out: Path, *extra: str, wandb: bool = False) -> dict[int, dict]:
     argv = [
         str(EXAMPLE),
         "--deepspeed", str(DS_CONFIG),
@@ -38,12 +38,16 @@ def run_example(out: Path, *extra: str) -> dict[int, dict]:
         "--num_layers", "2",
         "--seq_len", "16",
         "--samples", "128",
-        "--report_to", "none",
+        "--report_to", "wandb" if wandb else "none",
         "--disable_tqdm", "true",
         "--dump_params", str(out / "dump"),
         *extra,
     ]  # fmt: skip
-    results = launch(argv, world_size=WORLD, timeout=TIMEOUT, log_dir=out / "logs", env={"WANDB_MODE": "disabled"})
+    env = {"WANDB_MODE": "offline" if wandb else "disabled", "WANDB_DIR": str(out), "WANDB_SILENT": "true"}
+    env |= {"WANDB_DISABLE_GIT": "true", "WANDB_DISABLE_CODE": "true", "WANDB_CONSOLE": "off"}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("WANDB_SERVICE", raising=False)  # ranks must start their own wandb-core
+        results = launch(argv, world_size=WORLD, timeout=TIMEOUT, log_dir=out / "logs", env=env)
     for result in results:
         assert result.ok, f"rank {result.rank} exited {result.returncode}:\n{result.log[-4000:]}"
     return {rank: torch.load(out / "dump" / f"rank{rank}.pt") for rank in range(WORLD)}
@@ -52,7 +56,7 @@ def run_example(out: Path, *extra: str) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
     base = tmp_path_factory.mktemp("hf_trainer")
-    full = run_example(base / "full")
+    full = run_example(base / "full", wandb=True)
     resumed = run_example(base / "resumed", "--resume_from_checkpoint", str(base / "full" / "checkpoint-3"))
     return {"full": (base / "full", full), "resumed": (base / "resumed", resumed)}
 
@@ -115,3 +119,23 @@ def test_save_model_loads_with_from_pretrained(runs):
     reference.eval()
     with torch.no_grad():
         assert torch.equal(model(ids, attention_mask=mask).logits, reference(ids, attention_mask=mask).logits)
+
+
+def test_one_wandb_run_shared_by_hf_and_the_recycle_monitor(runs):
+    import wandb_log
+
+    out, _ = runs["full"]
+    [path] = sorted(out.glob("wandb/offline-run-*/run-*.wandb"))  # one writer: the lowest live rank
+    rows = wandb_log.history(path)
+    hf = [r for r in rows if "train/loss" in r]
+    ours = [r for r in rows if "recycle/iteration_time_s" in r]
+    assert [r["train/global_step"] for r in hf] == list(range(1, STEPS + 1))
+    assert [r["train/global_step"] for r in ours] == list(range(1, STEPS + 1))
+    for mine, theirs in zip(ours, hf, strict=True):
+        assert mine["recycle/loss"] == pytest.approx(theirs["train/loss"], rel=1e-6)
+        assert mine["recycle/membership_epoch"] == 0 and mine["recycle/samples_per_s"] > 0
+    config = wandb_log.config(path)
+    assert config["ds_config"]["pipeline"] == {"stages": 2} and config["recycle_topology"]["data_parallel"] == 2
+    assert config["per_device_train_batch_size"] == 2  # HF's TrainingArguments, same run
+    run = wandb_log.run_record(path)
+    assert run.project == "ds-recycle-hf" and run.run_id.startswith("recycle-")  # the monitor's, opened by HF
