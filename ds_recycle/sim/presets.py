@@ -136,7 +136,9 @@ def get_model(name: str, tp: int | None = None) -> ModelSpec:
     elif name.endswith(".json"):
         spec = _load(Path(name))
     else:
-        raise ValueError(f"unknown model {name!r}: one of {', '.join(PRESETS)} or a .json file with ModelSpec fields")
+        raise ValueError(
+            f"unknown model {name!r}: allowed {', '.join(PRESETS)} or a .json file with ModelSpec fields"
+        )
     return spec if tp is None else replace(spec, tp=tp)
 
 

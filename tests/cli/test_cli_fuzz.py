@@ -437,9 +437,195 @@ LAUNCH = Entry(
 )
 
 
+# ----- ds-recycle simulate ----------------------------------------------------------------------
+#
+# The mode (sweep | trace | poisson) is a positional argument, so the harness keeps it at the end.
+# Valid inputs are small (350M/1.3B, D and P <= 3, a short synthetic trace, a day of Poisson
+# failures) so that they finish in well under a second.
+
+SIM_TRACE = File(b"0,add,a\n0,add,b\n0,add,c\n0,add,d\n60000,remove,a\n120000,add,e\n180000,remove,c\n", "t.csv")
+
+BAD_TRACES = st.sampled_from(
+    [
+        File(b"", "empty.csv"),
+        File(b"0,add\n", "fields.csv"),
+        File(b"nan,add,a\n1,remove,a\n", "nan.csv"),
+        File(b"inf,add,a\n", "inf.csv"),
+        File(b"-1,add,a\n5,remove,a\n", "negative.csv"),
+        File(b"10,add,a\n5,remove,a\n", "decreasing.csv"),
+        File(b"0,join,a\n5,remove,a\n", "kind.csv"),
+        File(b"0,remove,a\n5,add,a\n", "absent.csv"),
+        File(b"0,add,a\n0,add,b\n", "instant.csv"),
+        File(b"\xff\xfe\x00", "binary.csv"),
+        File(b'{"F": 1}', "json.csv"),
+        "/nonexistent/trace.csv",
+        "/",
+        BadPath("is_dir", "t.csv"),
+    ]
+)
+
+
+@st.composite
+def simulate_valid(draw, outputs: bool = True) -> Args:
+    mode = draw(st.sampled_from(["sweep", "trace", "poisson"]))
+    model = draw(st.sampled_from(["350M", "1.3B"]))
+    P = draw(st.integers(1, 2))
+    args: Args = [("--model", model), ("--stages", str(P))]
+    if mode == "sweep":
+        args += [("--pipelines", str(draw(st.integers(1, 3)))), ("--microbatches", str(draw(st.integers(1, 4))))]
+        if draw(st.booleans()):
+            args.append(("--placement", draw(st.sampled_from(["spread", "stage", "pipeline"]))))
+    elif mode == "trace":
+        args += [("--trace", SIM_TRACE), ("--microbatches", str(draw(st.integers(1, 4))))]
+    else:
+        args += [("--gpus", str(draw(st.sampled_from([8, 16])))), ("--hours", "24"), ("--rate", "20")]
+        if draw(st.booleans()):
+            args.append(("--repair-hours", draw(st.sampled_from(["0", "1", "4"]))))
+    if draw(st.booleans()):
+        names = draw(st.lists(st.sampled_from(["recycle", "oobleck", "bamboo", "checkpoint"]), min_size=1, unique=True))
+        args.append(("--systems", ",".join(names)))
+    for flag, values in (
+        ("--checkpoint-cost", st.sampled_from(["0", "30", "60"])),
+        ("--restart", st.sampled_from(["0", "120"])),
+        ("--oobleck-remove", st.sampled_from(["3", "57"])),
+        ("--bamboo-depth", st.sampled_from(["1", "1.5"])),
+    ):
+        if draw(st.integers(0, 3)) == 0:
+            args.append((flag, draw(values)))
+    if outputs and draw(st.booleans()):
+        args.append(("--json", OutPath("study.json")))
+    return [*draw(st.permutations(args)), ("", mode)]
+
+
+@st.composite
+def simulate_wrong_mode(draw) -> Bad:
+    args = [(f, v) for f, v in draw(simulate_valid(outputs=False)) if f != ""]
+    mode, flag, value = draw(
+        st.sampled_from(
+            [
+                ("sweep", "--trace", SIM_TRACE),
+                ("sweep", "--gpus", "8"),
+                ("trace", "--placement", "stage"),
+                ("poisson", "--window", "60"),
+            ]
+        )
+    )
+    mode_specific = ("--pipelines", "--microbatches", "--placement", "--window", "--trace", "--gpus", "--hours")
+    args = [(f, v) for f, v in args if f not in (*mode_specific, "--rate", "--repair-hours")]
+    base: Args = {
+        "sweep": [("--pipelines", "2"), ("--microbatches", "2")],
+        "trace": [("--trace", SIM_TRACE), ("--microbatches", "2")],
+        "poisson": [("--gpus", "8"), ("--hours", "1")],
+    }[mode]
+    return Bad([*args, *base, (flag, value), ("", mode)], flag, f"{flag} with {mode}")
+
+
+@st.composite
+def simulate_missing_mode_option(draw) -> Bad:
+    mode, flag = draw(
+        st.sampled_from(
+            [("sweep", "--pipelines"), ("sweep", "--microbatches"), ("trace", "--trace"), ("poisson", "--gpus")]
+        )
+    )
+    full: Args = {
+        "sweep": [("--pipelines", "2"), ("--microbatches", "2")],
+        "trace": [("--trace", SIM_TRACE), ("--microbatches", "2")],
+        "poisson": [("--gpus", "8"), ("--hours", "1")],
+    }[mode]
+    args: Args = [("--model", "350M"), ("--stages", "2"), *[(f, v) for f, v in full if f != flag]]
+    return Bad([*draw(st.permutations(args)), ("", mode)], flag, f"{flag} missing for {mode}")
+
+
+@st.composite
+def simulate_does_not_fit(draw) -> Bad:
+    args: Args = [("--model", "175B"), ("--tp", "1"), ("--stages", draw(st.sampled_from(["1", "2", "4"])))]
+    args += [("--pipelines", "2"), ("--microbatches", "4")]
+    return Bad([*draw(st.permutations(args)), ("", "sweep")], "--stages", "grid does not fit in memory")
+
+
+@st.composite
+def simulate_no_mode(draw) -> Bad:
+    args = [(f, v) for f, v in draw(simulate_valid(outputs=False)) if f != ""]
+    return Bad(args, "mode", "no mode")
+
+
+@st.composite
+def simulate_bad_mode(draw) -> Bad:
+    args = [(f, v) for f, v in draw(simulate_valid(outputs=False)) if f != ""]
+    mode = draw(
+        st.text(alphabet="abcdefghijklmnopqrstuvwxyz", min_size=1, max_size=8).filter(
+            lambda s: s not in ("sweep", "trace", "poisson")
+        )
+    )
+    return Bad([*args, ("", mode)], "mode", "unknown mode")
+
+
+SIMULATE = Entry(
+    command="simulate",
+    valid=simulate_valid(),
+    options=[
+        Option(
+            "--model",
+            st.one_of(
+                st.sampled_from(["GPT-5", "", "1.3b", "model.yaml"]),
+                st.sampled_from(
+                    [
+                        File(b"{", "broken.json"),
+                        File(b"[1]", "list.json"),
+                        File(b'{"layers": 2}', "missing.json"),
+                        File(b'{"layers": NaN}', "nan.json"),
+                    ]
+                ),
+            ),
+            st.just("350M"),
+            required=True,
+        ),
+        Option("--stages", bad_ints(1, 128), st.integers(1, 2).map(str), required=True),
+        Option("--pipelines", bad_ints(1, 64), st.integers(1, 2).map(str)),
+        Option("--microbatches", bad_ints(1, 4096), st.integers(1, 4).map(str)),
+        Option("--tp", bad_ints(1, 64), st.just("1")),
+        Option(
+            "--systems",
+            st.sampled_from(["", "foo", "recycle,foo", "recycle,recycle", ",", "RECYCLE"]),
+            st.just("recycle,oobleck"),
+        ),
+        Option("--placement", st.sampled_from(["", "random", "Spread"]), st.just("spread")),
+        Option("--window", bad_floats(1, 1e7), st.just("60")),
+        Option("--trace", BAD_TRACES, st.just(SIM_TRACE)),
+        Option("--gpus", bad_ints(1, 131072), st.just("8")),
+        Option("--rate", bad_floats(0, 1000), st.just("1")),
+        Option("--hours", bad_floats(0, 24 * 366, low_open=True), st.just("1")),
+        Option("--repair-hours", bad_floats(0, 24 * 366), st.just("1")),
+        Option("--spares", bad_floats(0, 1), st.just("0")),
+        Option("--seeds", bad_ints(1, 20), st.just("1")),
+        Option("--checkpoint-cost", bad_floats(0, 1e5), st.just("60")),
+        Option("--restart", bad_floats(0, 1e5), st.just("300")),
+        Option("--checkpoint-interval", bad_floats(0, 1e7, low_open=True), st.just("3600")),
+        Option("--checkpoint-policy", st.sampled_from(["", "never", "Shrink"]), st.just("shrink")),
+        Option("--recycle-detect", bad_floats(0, 1e5), st.just("5")),
+        Option("--recycle-rebuild", bad_floats(0, 1e5), st.just("10")),
+        Option("--oobleck-remove", bad_floats(0, 1e5), st.just("57")),
+        Option("--oobleck-add", bad_floats(0, 1e5), st.just("100")),
+        Option("--oobleck-f", bad_ints(0, 4096), st.just("1")),
+        Option("--bamboo-depth", bad_floats(1, 4), st.just("1.5")),
+        Option("--bamboo-reconfigure", bad_floats(0, 1e5), st.just("20")),
+        Option("--json", bad_outputs(".json"), st.just(OutPath("study.json"))),
+        Option("--png", bad_outputs(".png"), st.just(OutPath("study.png"))),
+    ],
+    extra_bad=[
+        simulate_wrong_mode(),
+        simulate_missing_mode_option(),
+        simulate_does_not_fit(),
+        simulate_no_mode(),
+        simulate_bad_mode(),
+    ],
+    outputs=("--json", "--png"),
+)
+
+
 # ----- the table --------------------------------------------------------------------------------
 
-ENTRIES: dict[str, Entry] = {"plan": PLAN, "launch": LAUNCH}
+ENTRIES: dict[str, Entry] = {"plan": PLAN, "launch": LAUNCH, "simulate": SIMULATE}
 """One entry per subcommand of ``ds_recycle.cli.COMMANDS``."""
 
 
