@@ -184,13 +184,15 @@ class StageStepper:
             self._validate(self._pending)
             self._pending = None
         self._exchange_tied_weights()
+        # The last wait that a failure can interrupt: from here on the iteration is finished at
+        # once (counters, LR step and undo record), so a recovery sees it either in flight or done.
+        self.channel.wait_sends()
         lr_state = None
         if engine.lr_scheduler is not None:
             lr_state = engine.lr_scheduler.state_dict() if self.keep_undo else None
             engine.lr_scheduler.step()
         engine.global_steps += 1
         engine.global_samples += engine.train_batch_size()
-        self.channel.wait_sends()
         if self.keep_undo:
             self.finished = FinishedStep(self.inflight, lr_state)
             self.inflight = None

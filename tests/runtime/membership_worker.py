@@ -15,6 +15,7 @@ import json
 import os
 import time
 from pathlib import Path
+from types import MethodType
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -22,6 +23,7 @@ import torch  # noqa: E402
 
 import ds_recycle  # noqa: E402
 from ds_recycle.data import TokenWindowProvider, shipped_corpus_tokens  # noqa: E402
+from ds_recycle.instructions.routed import BackwardInput, BackwardWeight, ForwardPass, StaggeredStep  # noqa: E402
 from ds_recycle.models import GPTConfig, build_gpt_pipeline  # noqa: E402
 
 MODEL = dict(seq_len=16, d_model=32, n_heads=4, n_layers=2)
@@ -34,6 +36,9 @@ def main() -> None:
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
     parser.add_argument("--config", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--trap", action="append", default=[], metavar="SLOT:POINT:ITERATION", help=f"park at POINT, one of {POINTS}"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     ds_recycle.init_distributed()
@@ -51,6 +56,10 @@ def main() -> None:
     provider = TokenWindowProvider(tokens, cfg.seq_len, config["train_micro_batch_size_per_gpu"], seed=0)
     engine, _, _, _ = ds_recycle.initialize(model=model, optimizer=optimizer, config=config, training_data=provider)
     engine.forward_ledger = []
+    for trap in args.trap:
+        trap_slot, point, iteration = trap.split(":")
+        if int(trap_slot) == slot and incarnation == 0:
+            arm(engine, point, int(iteration), args.out, slot)
     losses: dict[int, float] = {}
     record = {"slot": slot, "incarnation": incarnation, "worker": engine.worker, "joined_at": engine.global_steps}
     try:
@@ -76,6 +85,60 @@ def main() -> None:
             global_steps=engine.global_steps,
         )
         save_atomically(record, args.out / f"{slot}.{incarnation}.pt")
+
+
+POINTS = ("F", "B", "W", "allreduce", "stepped", "recovery")
+PARK_SECONDS = 120.0
+
+
+def arm(engine, point: str, iteration: int, out: Path, slot: int) -> None:
+    """At ``point`` of ``iteration`` (the first F, B or W, the data-parallel all-reduce, right after
+    the stage's optimizer step, or the start of a recovery), save the ledger, tell the test through
+    ``out/trapped<slot>`` and park there, so that the test's signal lands exactly at that point.
+    At "recovery" the rank does not park: the test kills it while the survivors rebuild.
+
+    Only this engine instance is changed: the wrappers shadow its instruction map and methods."""
+    fired = False
+
+    def spring() -> None:
+        nonlocal fired
+        fired = True
+        save_atomically({"ledger": list(engine.forward_ledger), "losses": {}}, out / f"ledger{slot}.0.pt")
+        (out / f"trapped{slot}").write_text(point)
+        time.sleep(PARK_SECONDS)
+
+    def armed() -> bool:
+        return not fired and engine.global_steps == iteration
+
+    def before(run):
+        def trapped(self, *args, **kwargs):
+            if armed():
+                spring()
+            return run(self, *args, **kwargs)
+
+        return trapped
+
+    def after(run):
+        def trapped(self, *args, **kwargs):
+            result = run(self, *args, **kwargs)
+            if armed():
+                spring()
+            return result
+
+        return trapped
+
+    instructions = {"F": ForwardPass, "B": BackwardInput, "W": BackwardWeight, "stepped": StaggeredStep}
+    if point in ("F", "B", "W", "stepped"):
+        kind = instructions[point]
+        wrap = after if point == "stepped" else before
+        engine._INSTRUCTION_MAP = {**engine._INSTRUCTION_MAP, kind: wrap(engine._INSTRUCTION_MAP[kind])}
+    elif point == "allreduce":
+        engine.allreduce_bucket = MethodType(before(type(engine).allreduce_bucket), engine)
+    elif point == "recovery":
+        engine._recover = MethodType(before(type(engine)._recover), engine)
+        armed = lambda: not fired and engine.global_steps >= iteration  # noqa: E731
+    else:
+        raise SystemExit(f"--trap point must be one of {POINTS}, got {point!r}")
 
 
 def wait_while_held(hold: Path, engine) -> None:

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import torch
 
 WORKER = Path(__file__).with_name("membership_worker.py")
@@ -44,6 +45,9 @@ class Job:
     optimizer: str = "adam"
     respawn: bool = True
     timeout: float = 240.0
+    traps: list[str] = field(default_factory=list)
+    """``SLOT:POINT:ITERATION``: where a rank parks for the test's signal (membership_worker.arm)."""
+    launcher_args: list[str] = field(default_factory=list)
     lines: list[str] = field(default_factory=list)
     pids: dict[int, int] = field(default_factory=dict)
 
@@ -56,9 +60,10 @@ class Job:
         launcher = [sys.executable, "-m", "ds_recycle.cli", "launch", "--nproc", str(self.pp * self.dp)]
         if self.respawn:
             launcher += ["--respawn", "--respawn-delay", "0.2"]
-        launcher += ["--timeout", str(self.timeout), "--log-dir", str(self.tmp / "logs")]
+        launcher += ["--timeout", str(self.timeout), "--log-dir", str(self.tmp / "logs"), *self.launcher_args]
         script = [str(WORKER), "--pp", str(self.pp), "--steps", str(self.steps), "--optimizer", self.optimizer]
         script += ["--config", str(self.tmp / "ds_config.json"), "--out", str(self.out)]
+        script += [arg for trap in self.traps for arg in ("--trap", trap)]
         env = {**os.environ, "DS_ACCELERATOR": "cpu"}
         self.proc = subprocess.Popen(
             launcher + script,
@@ -101,6 +106,11 @@ class Job:
         pids = {slot: self.pids[slot] for slot in slots}
         for pid in pids.values():
             os.kill(pid, sig)
+
+    def signal_when_trapped(self, slot: int, sig: int = signal.SIGKILL) -> None:
+        """Wait until ``slot`` parks at its trap, then send it ``sig``."""
+        self.wait_until(lambda: (self.out / f"trapped{slot}").exists(), f"slot {slot} to reach its trap")
+        os.kill(self.pids[slot], sig)
 
     def hold(self, iteration: int | None) -> None:
         """Make every rank wait at the boundary once it has finished ``iteration`` iterations (None: go on)."""
@@ -160,13 +170,105 @@ def final_states(records: list[dict]) -> dict[int, dict]:
     return {r["slot"]: r for r in records if r.get("finished")}
 
 
-def assert_ledger_exact(records: list[dict], pp: int, dp: int, m: int, steps: int) -> None:
-    """Every micro-batch of every iteration ran F exactly once per stage, across all processes.
+# ---- one job shape for the membership and failure tests ------------------------------------------
 
-    A leaver records the iterations it finished; iterations are counted once per completed run."""
-    counts: dict[tuple[int, int, int, int], int] = {}
+M = 4
+CLIP = 0.5
+EMULATION = {"emulate_timing": {"F": 8, "B": 8, "W": 8}}
+RTOL, ATOL = 1e-6, 1e-7
+DEGRADED_ITERATIONS = 4
+"""Iterations the survivors run on the adapted plan before the test lets a respawned rank re-join."""
+
+_fault_free: dict[tuple, dict[int, dict]] = {}
+
+
+def slot(dp: int, pipeline: int, stage: int) -> int:
+    """The rank of worker (pipeline, stage): DeepSpeed's pipe-data topology is stage-major."""
+    return stage * dp + pipeline
+
+
+def job_config() -> dict:
+    return ds_config(M, CLIP, EMULATION)
+
+
+def fault_free(tmp_path_factory, pp: int, dp: int, steps: int, optimizer: str) -> dict[int, dict]:
+    """The final state of every slot in a fault-free run of the job (run once per test session)."""
+    key = (pp, dp, steps, optimizer)
+    if key not in _fault_free:
+        tmp = tmp_path_factory.mktemp(f"fault_free_pp{pp}dp{dp}_{optimizer}")
+        job = Job(tmp, pp, dp, steps, job_config(), optimizer, respawn=False)
+        code = job.start().finish()
+        assert code == 0, job.log_tail()
+        _fault_free[key] = final_states(job.records())
+    return _fault_free[key]
+
+
+def rejoin(job: Job, slots: list[int], iteration: int, joins: dict[int, int]) -> None:
+    """Let the survivors run a few iterations on the adapted plan, then hold them at a boundary
+    until the respawns of ``slots`` are accepted (``joins``: accepted joins per slot before)."""
+    job.hold(iteration + DEGRADED_ITERATIONS)
+    for s in slots:
+        job.wait_for_line(rf"accepted join of slot {s} ", joins[s] + 1, timeout=180)
+    job.hold(None)
+    for s in slots:
+        job.wait_until(lambda s=s: job.progress(s) > iteration + 1, f"slot {s} to train again after re-joining")
+
+
+def assert_same_as_fault_free(job: Job, reference: dict[int, dict], steps: int) -> None:
+    """Every parameter and optimizer state of every finishing slot, and every loss any process
+    reported, equal the fault-free run; the F ledger of all processes, killed ones included, shows
+    every micro-batch of every iteration exactly once per stage."""
+    records = job.records()
+    finished = final_states(records)
+    assert sorted(finished) == sorted(reference), f"finished slots {sorted(finished)}"
+    worst = max(
+        (record["params"][name] - value).abs().max().item()
+        for s, record in finished.items()
+        for name, value in reference[s]["params"].items()
+    )
+    print(f"max |parameter - fault-free parameter| over {len(finished)} workers: {worst:.3g}")
+    reference_losses = next(iter(reference.values()))["losses"]
+    for s, record in finished.items():
+        want = reference[s]
+        assert record["global_steps"] == steps
+        for name, value in want["params"].items():
+            torch.testing.assert_close(record["params"][name], value, rtol=RTOL, atol=ATOL, msg=f"slot {s} {name}")
+        for index, state in want["optimizer"]["state"].items():
+            for key, value in state.items():
+                got = record["optimizer"]["state"][index][key]
+                torch.testing.assert_close(got, value, rtol=RTOL, atol=ATOL, msg=f"slot {s} optimizer {index}.{key}")
     for record in records:
-        for entry in record["ledger"]:
+        for iteration, loss in record["losses"].items():
+            want = reference_losses[iteration]
+            assert loss == pytest.approx(want, rel=RTOL), f"slot {record['slot']} it {iteration}"
+    ledgers = [record["ledger"] for record in records]
+    ledgers += killed_ledgers(job.killed(), [c for r in finished.values() for c in r["changes"]], job.dp)
+    assert_ledger_exact(ledgers, job.pp, job.dp, M, steps)
+
+
+def killed_ledgers(killed: dict[tuple[int, int], dict], changes: list[dict], dp: int) -> list[list]:
+    """The F entries a killed process ran and that counted: the survivors re-ran every iteration
+    from the one their recovery restarted at, so the dead process's entries from there on are void.
+
+    The n-th killed incarnation of a slot is the n-th failure of its worker in the changes."""
+    restarts: dict[tuple, list[int]] = {}
+    for change in sorted({(c["epoch"], c["iteration"], tuple(map(tuple, c["failed"]))) for c in changes}):
+        for worker in change[2]:
+            restarts.setdefault(tuple(worker), []).append(change[1])
+    ledgers = []
+    for (s, incarnation), saved in sorted(killed.items()):
+        worker = (s % dp, s // dp)
+        order = sorted(i for (t, i) in killed if t == s).index(incarnation)
+        restart = restarts[worker][order]
+        ledgers.append([entry for entry in saved["ledger"] if entry[0] < restart])
+    return ledgers
+
+
+def assert_ledger_exact(ledgers: list[list], pp: int, dp: int, m: int, steps: int) -> None:
+    """Every micro-batch of every iteration ran F exactly once per stage, across all processes."""
+    counts: dict[tuple[int, int, int, int], int] = {}
+    for ledger in ledgers:
+        for entry in ledger:
             counts[tuple(entry)] = counts.get(tuple(entry), 0) + 1
     expected = {(i, h, k, s) for i in range(steps) for h in range(dp) for k in range(m) for s in range(pp)}
     missing = sorted(expected - counts.keys())

@@ -1,0 +1,99 @@
+"""Unplanned failures in real ``ds-recycle launch`` jobs on gloo: a rank SIGKILLed or SIGSTOPped
+from this test process at a chosen instruction, then respawned by the launcher and re-joined.
+
+A rank is told (``--trap``) to park at one point of one iteration: the first F, B or W, the
+data-parallel all-reduce, right after its stage's optimizer step, or at the start of a recovery.
+The test sends the signal once it is parked there, so the failure lands exactly at that point while
+its peers wait on it. Each job ends with every parameter and optimizer state equal to a fault-free
+run, the same losses, and an F ledger (killed ranks included) with every micro-batch of every
+iteration exactly once per stage.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+
+import pytest
+from recycle_job import Job, assert_same_as_fault_free, fault_free, job_config, rejoin, slot
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS = 24
+HANG_TIMEOUT = "3"
+"""--heartbeat-min-timeout for these jobs: a SIGSTOPped rank is declared failed after 3 s."""
+
+
+def run_faults(job: Job, faults: list[tuple[list[int], int]]) -> None:
+    """``faults``: (slots, signal) in order; each slot is parked at its trap when signalled, then
+    re-joins after the survivors ran a few iterations on the adapted plan. A trap must lie beyond
+    the previous fault's re-join (about DEGRADED_ITERATIONS + 2 iterations after it): a rank parked
+    early would stall the job while the test waits for the re-joined rank to train."""
+    for slots, sig in faults:
+        joins = {s: job.count(rf"accepted join of slot {s} ") for s in slots}
+        for s in slots:
+            job.signal_when_trapped(s, sig)
+        iteration = max(job.progress(s) for s in range(job.pp * job.dp))
+        for s in slots:
+            job.wait_for_line(rf"rank {s} exited \(signal SIGKILL\)")
+        rejoin(job, slots, iteration, joins)
+
+
+def check(job: Job, reference: dict, faults: int) -> None:
+    code = job.finish()
+    assert code == 0, job.log_tail()
+    logs = "\n".join(path.read_text() for path in sorted((job.tmp / "logs").glob("*.log")))
+    recovered = sorted({int(ms) for ms in re.findall(r"recovered (\d+) ms after the failure", logs)})
+    assert job.count(r"published failure of slot") >= faults
+    print(f"{faults} failures; kill to recovered (ms, distinct values over the survivors): {recovered}")
+    assert_same_as_fault_free(job, reference, STEPS)
+
+
+@pytest.mark.parametrize(
+    "optimizer,traps",
+    [
+        # the first stage during F, the last during B, the middle one during W
+        ("adam", [(0, 0, "F", 3), (1, 2, "B", 10), (0, 1, "W", 17)]),
+        # during the all-reduce, between the step and the end of the iteration, and a hang (SIGSTOP)
+        ("sgd", [(1, 1, "allreduce", 3), (0, 2, "stepped", 10), (1, 0, "F", 17)]),
+    ],
+    ids=["F-B-W", "allreduce-stepped-sigstop"],
+)
+def test_a_killed_rank_is_survived_and_rejoins(tmp_path, tmp_path_factory, optimizer, traps):
+    pp, dp = 3, 2
+    reference = fault_free(tmp_path_factory, pp, dp, STEPS, optimizer)
+    points = [f"{slot(dp, p, s)}:{point}:{it}" for p, s, point, it in traps]
+    job = Job(tmp_path, pp, dp, STEPS, job_config(), optimizer, traps=points)
+    job.launcher_args = ["--heartbeat-min-timeout", HANG_TIMEOUT]
+    job.start()
+    signals = [signal.SIGKILL, signal.SIGKILL, signal.SIGSTOP if optimizer == "sgd" else signal.SIGKILL]
+    try:
+        run_faults(job, [([slot(dp, p, s)], sig) for (p, s, _, _), sig in zip(traps, signals, strict=True)])
+    except BaseException:
+        job.kill()
+        raise
+    if optimizer == "sgd":
+        assert job.count(r"published failure of slot 1: heartbeat stale") == 1, "the SIGSTOP is a hang"
+    check(job, reference, len(traps))
+
+
+def test_d_minus_one_workers_of_a_stage_and_a_second_kill_during_recovery(tmp_path, tmp_path_factory):
+    """pp=2 x dp=3: two of the three stage-1 workers killed in one iteration (during F and during B);
+    then a stage-0 worker, and a second stage-0 worker killed while the survivors rebuild."""
+    pp, dp = 2, 3
+    reference = fault_free(tmp_path_factory, pp, dp, STEPS, "adam")
+    first = [slot(dp, 0, 1), slot(dp, 2, 1)]
+    then, during_recovery = slot(dp, 1, 0), slot(dp, 2, 0)
+    traps = [f"{first[0]}:F:3", f"{first[1]}:B:3", f"{then}:W:12", f"{during_recovery}:recovery:12"]
+    job = Job(tmp_path, pp, dp, STEPS, job_config(), "adam", traps=traps).start()
+    try:
+        run_faults(job, [(first, signal.SIGKILL)])
+        joins = {s: job.count(rf"accepted join of slot {s} ") for s in (then, during_recovery)}
+        job.signal_when_trapped(then)
+        job.signal_when_trapped(during_recovery)
+        iteration = max(job.progress(s) for s in range(pp * dp))
+        rejoin(job, [then, during_recovery], iteration, joins)
+    except BaseException:
+        job.kill()
+        raise
+    check(job, reference, 4)
