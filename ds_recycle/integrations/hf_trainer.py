@@ -439,7 +439,9 @@ def save_hf_checkpoint(engine, module: PipelineModule, hf_config, output_dir: st
     stages = engine.num_stages
     shard = f"model-{engine.stage_id + 1:05d}-of-{stages:05d}.safetensors"
     os.makedirs(output_dir, exist_ok=True)
-    if engine.grid.get_data_parallel_rank() == 0:
+    grid = engine.grid
+    live = grid.live_workers(engine.stage_id) if hasattr(grid, "live_workers") else None
+    if (live[0] == grid.worker) if live else grid.get_data_parallel_rank() == 0:  # the stage's lowest live replica
         tensors = {k: v.detach().contiguous().cpu().clone() for k, v in to_hf_state_dict(module).items()}
         save_file(tensors, os.path.join(output_dir, shard), metadata={"format": "pt"})
     dist.barrier()

@@ -143,7 +143,8 @@ def without_deepspeed_wandb(ds_config: Mapping[str, Any], recycle: RecycleConfig
 def share_run_through_environment(settings: WandbMonitorConfig) -> None:
     """Export this job's run as ``WANDB_*`` variables (without overriding any already set), so a
     ``wandb.init`` made by other code in this process (HF's ``WandbCallback``) opens the same run,
-    in the same mode, and never raises for a missing API key on the one rank that logs."""
+    in the same mode and with the same flush interval, and never raises for a missing API key on
+    the one rank that logs."""
     values = {
         "WANDB_RUN_ID": resolve_run_id(settings.run_id),
         "WANDB_RESUME": "allow",
@@ -152,6 +153,7 @@ def share_run_through_environment(settings: WandbMonitorConfig) -> None:
         "WANDB_RUN_GROUP": settings.group,
         "WANDB_DIR": settings.dir,
         "WANDB_MODE": resolve_mode(settings.mode),
+        "WANDB__TRANSACTION_LOG_FLUSH_INTERVAL": str(FLUSH_INTERVAL_SECONDS),  # x_transaction_log_flush_interval
     }
     if values["WANDB_RUN_ID"] is None:
         del values["WANDB_RESUME"]

@@ -136,9 +136,7 @@ def get_model(name: str, tp: int | None = None) -> ModelSpec:
     elif name.endswith(".json"):
         spec = _load(Path(name))
     else:
-        raise ValueError(
-            f"unknown model {name!r}: allowed {', '.join(PRESETS)} or a .json file with ModelSpec fields"
-        )
+        raise ValueError(f"unknown model {name!r}: allowed {', '.join(PRESETS)} or a .json file with ModelSpec fields")
     return spec if tp is None else replace(spec, tp=tp)
 
 

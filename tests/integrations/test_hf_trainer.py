@@ -15,15 +15,18 @@ from ds_recycle.runtime.launcher import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "hf_trainer_llama.py"
+HERE = Path(__file__).parent
 DS_CONFIG = ROOT / "ds_configs" / "hf_llama_recycle.json"
 STEPS = 6
 WORLD = 4
 TIMEOUT = 240
 
 
-def run_example(out: Path, *extra: str, wandb: bool = False) -> dict[int, dict]:
+def run_example(
+    out: Path, *extra: str, wandb: bool = False, script: Path = EXAMPLE, env: dict | None = None, dead=()
+) -> dict[int, dict]:
     argv = [
-        str(EXAMPLE),
+        str(script),
         "--deepspeed", str(DS_CONFIG),
         "--output_dir", str(out),
         "--max_steps", str(STEPS),
@@ -43,14 +46,19 @@ def run_example(out: Path, *extra: str, wandb: bool = False) -> dict[int, dict]:
         "--dump_params", str(out / "dump"),
         *extra,
     ]  # fmt: skip
-    env = {"WANDB_MODE": "offline" if wandb else "disabled", "WANDB_DIR": str(out), "WANDB_SILENT": "true"}
+    env = {"WANDB_MODE": "offline" if wandb else "disabled", "WANDB_DIR": str(out), "WANDB_SILENT": "true"} | (
+        env or {}
+    )
     env |= {"WANDB_DISABLE_GIT": "true", "WANDB_DISABLE_CODE": "true", "WANDB_CONSOLE": "off"}
     with pytest.MonkeyPatch.context() as patch:
         patch.delenv("WANDB_SERVICE", raising=False)  # ranks must start their own wandb-core
         results = launch(argv, world_size=WORLD, timeout=TIMEOUT, log_dir=out / "logs", env=env)
     for result in results:
-        assert result.ok, f"rank {result.rank} exited {result.returncode}:\n{result.log[-4000:]}"
-    return {rank: torch.load(out / "dump" / f"rank{rank}.pt") for rank in range(WORLD)}
+        if result.rank in dead:
+            assert result.returncode == -9, f"rank {result.rank} exited {result.returncode}:\n{result.log[-4000:]}"
+        else:
+            assert result.ok, f"rank {result.rank} exited {result.returncode}:\n{result.log[-4000:]}"
+    return {rank: torch.load(out / "dump" / f"rank{rank}.pt") for rank in range(WORLD) if rank not in dead}
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +147,30 @@ def test_one_wandb_run_shared_by_hf_and_the_recycle_monitor(runs):
     assert config["per_device_train_batch_size"] == 2  # HF's TrainingArguments, same run
     run = wandb_log.run_record(path)
     assert run.project == "ds-recycle-hf" and run.run_id.startswith("recycle-")  # the monitor's, opened by HF
+
+
+def test_killing_rank_0_keeps_the_fault_free_math_and_the_wandb_run(runs, tmp_path):
+    """Rank 0, stage 0 of pipeline 0, the leader and the W&B writer, is SIGKILLed after step 2: the
+    survivors finish with the fault-free run's parameters, rank 1 leads, and it carries on the
+    one W&B run: ReCycle's membership change and HF's train/* rows."""
+    import wandb_log
+
+    kill = {"HF_KILL_RANK": "0", "HF_KILL_AFTER": "2", "HF_KILL_DELAY": "2"}  # W&B flushes every second
+    dumps = run_example(tmp_path, wandb=True, script=HERE / "hf_kill_worker.py", env=kill, dead=(0,))
+    _, full = runs["full"]
+    for rank, dump in dumps.items():
+        assert dump["global_step"] == STEPS and dump["leader"] == (rank == 1)
+        for name, value in full[rank]["params"].items():
+            torch.testing.assert_close(dump["params"][name], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+
+    paths = sorted(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(paths) == 2 and len({wandb_log.run_record(p).run_id for p in paths}) == 1
+    before, after = (wandb_log.history(p) for p in paths)
+    # rank 0 dies in on_step_end of step 2, before HF logs step 2 (no one logs it: rank 1 did not lead then)
+    assert [r["train/global_step"] for r in before if "train/loss" in r] == [1]
+    assert [r["train/global_step"] for r in before if "recycle/iteration_time_s" in r] == [1, 2]
+    [event] = [r for r in after if "recycle/event/failed" in r]
+    assert event["recycle/event/failed"] == 1 and event["recycle/membership_epoch"] == 1
+    assert event["recycle/live_workers/stage_0"] == 1 and event["recycle/event/recovery_s"] > 0
+    assert [r["train/global_step"] for r in after if "train/loss" in r] == list(range(3, STEPS + 1))
+    assert [r["train/global_step"] for r in after if "recycle/iteration_time_s" in r] == list(range(3, STEPS + 1))

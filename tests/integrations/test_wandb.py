@@ -15,6 +15,7 @@ import wandb_log
 from ds_recycle.config import MonitorConfig, RecycleConfig
 from ds_recycle.integrations.wandb import (
     EVENT_COLUMNS,
+    FLUSH_INTERVAL_SECONDS,
     WandbMonitor,
     build_monitors,
     resolve_mode,
@@ -26,7 +27,10 @@ from ds_recycle.runtime.events import IterationStats, MembershipChange, PlanSumm
 
 WANDB_ENV = ("WANDB_RUN_ID", "WANDB_RESUME", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_RUN_GROUP", "WANDB_DIR")
 WANDB_ENV += ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL", "NETRC", "DS_RECYCLE_TOKEN")
-WANDB_ENV += ("WANDB_SERVICE",)  # set by wandb in a process that started wandb-core: children would share it
+WANDB_ENV += (
+    "WANDB_SERVICE",
+    "WANDB__TRANSACTION_LOG_FLUSH_INTERVAL",
+)  # set by wandb in a process that started wandb-core: children would share it
 
 
 @pytest.fixture
@@ -126,6 +130,7 @@ def test_the_run_is_shared_through_the_environment_without_overriding_it(clean_e
     assert os.environ["WANDB_PROJECT"] == "users-own" and os.environ["WANDB_RUN_GROUP"] == "g"
     assert os.environ["WANDB_MODE"] == "offline"  # no API key: HF's own wandb.init must not raise
     assert "WANDB_ENTITY" not in os.environ and "WANDB_DIR" not in os.environ
+    assert float(os.environ["WANDB__TRANSACTION_LOG_FLUSH_INTERVAL"]) == FLUSH_INTERVAL_SECONDS
 
 
 # ---- offline runs ------------------------------------------------------------------------------

@@ -48,6 +48,8 @@ class Job:
     traps: list[str] = field(default_factory=list)
     """``SLOT:POINT:ITERATION``: where a rank parks for the test's signal (membership_worker.arm)."""
     launcher_args: list[str] = field(default_factory=list)
+    worker: Path = WORKER
+    """The rank script; it takes --pp --steps --optimizer --config --out [--trap ...]."""
     lines: list[str] = field(default_factory=list)
     pids: dict[int, int] = field(default_factory=dict)
 
@@ -61,7 +63,7 @@ class Job:
         if self.respawn:
             launcher += ["--respawn", "--respawn-delay", "0.2"]
         launcher += ["--timeout", str(self.timeout), "--log-dir", str(self.tmp / "logs"), *self.launcher_args]
-        script = [str(WORKER), "--pp", str(self.pp), "--steps", str(self.steps), "--optimizer", self.optimizer]
+        script = [str(self.worker), "--pp", str(self.pp), "--steps", str(self.steps), "--optimizer", self.optimizer]
         script += ["--config", str(self.tmp / "ds_config.json"), "--out", str(self.out)]
         script += [arg for trap in self.traps for arg in ("--trap", trap)]
         env = {**os.environ, "DS_ACCELERATOR": "cpu"}
