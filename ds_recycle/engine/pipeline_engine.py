@@ -55,7 +55,7 @@ from ds_recycle.runtime.distributed import GROUP_TIMEOUT_SECONDS, membership_age
 from ds_recycle.runtime.events import IterationStats, MembershipChange, Monitor, PlanSummary
 from ds_recycle.runtime.groups import RecycleGrid, bury, rebuild_world
 from ds_recycle.runtime.membership import EpochSuperseded, Progress, connect
-from ds_recycle.runtime.protocol import FAILED, JOIN, LEAVE, Decision, Membership
+from ds_recycle.runtime.protocol import FAILED, JOIN, LEAVE, STOP_EXIT_CODE, Decision, Membership
 from ds_recycle.runtime.waiting import FailureWatcher, PeerFailure, Waiter
 
 _EXTRA_BUFFERS = ("losses", "grads", "input_grads", "weight_work")
@@ -287,6 +287,13 @@ class RecyclePipelineEngine(PipelineEngine):
         timer.reset()
         self.stepper._pending = None
 
+    def _stop_job(self, lost: StageLostError) -> None:
+        """Training cannot go on in place: say why, once, and end this rank so that the launcher
+        stops the job instead of respawning it."""
+        logger.error(f"ReCycle: slot {self.slot} stops: {lost}")
+        self.agent.stop()
+        raise SystemExit(STOP_EXIT_CODE)
+
     def _check_survivable(self, membership: Membership) -> None:
         topo = self.module._topo
         live_stages = {topo.get_coord(slot).pipe for slot in membership.members}
@@ -417,7 +424,12 @@ class RecyclePipelineEngine(PipelineEngine):
             except PeerFailure as failure:
                 if self.agent is None:
                     raise
-                self._recover(failure)
+                try:
+                    self._recover(failure)
+                except StageLostError as lost:
+                    self._stop_job(lost)
+            except StageLostError as lost:
+                self._stop_job(lost)
         seconds = time.time() - began
         if self.monitors and self.is_lowest_live_rank():
             stats = IterationStats(

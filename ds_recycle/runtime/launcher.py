@@ -120,6 +120,8 @@ class Launcher:
         self.generation = 0
         self.token = secrets.token_hex(16)
         self.finished = False
+        self.stopped = False
+        """A rank reported that training cannot go on (STOP_EXIT_CODE): no more respawns."""
         self.restart_requested = False
         self._signal: int | None = None
         self._server = None
@@ -289,6 +291,11 @@ class Launcher:
                 self.log(f"rank {s.slot} asked for a restart of the job from its checkpoint")
             self.restart_requested = True
             return
+        if code == proto.STOP_EXIT_CODE:
+            if not self.stopped:
+                self.log(f"rank {s.slot} stopped the job: training cannot go on in place (its log says why)")
+            self.stopped = self.finished = True
+            return
         if self.restart_requested or not respawn:
             return
         if code == 0 and not self.finished and s.slot in self._membership().members:
@@ -306,6 +313,9 @@ class Launcher:
         self._terminate(running)
 
     def _final_code(self) -> int:
+        if self.stopped:
+            self.log("job stopped before it finished: a stage lost every worker")
+            return FAILURE_EXIT_CODE
         members = self._membership().members
         bad = [s.slot for s in self.slots if s.slot in members and s.returncode != 0]
         if self.finished and not bad:

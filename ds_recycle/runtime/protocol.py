@@ -41,6 +41,9 @@ ENV_GENERATION = "DS_RECYCLE_GENERATION"
 RESTART_EXIT_CODE = 75
 """A trainer exits with this code when training cannot go on in place (a stage lost every worker) and
 a checkpoint exists: ``ds-recycle launch --respawn`` then restarts every rank from it."""
+STOP_EXIT_CODE = 76
+"""A trainer exits with this code when training cannot go on in place and there is no checkpoint to
+restart from: the launcher stops the job (no respawn) and exits non-zero."""
 HEARTBEAT_MIN_TIMEOUT_SECONDS = 10.0
 """Default floor of the hang timeout (the launcher's ``--heartbeat-min-timeout``)."""
 

@@ -97,3 +97,27 @@ def test_d_minus_one_workers_of_a_stage_and_a_second_kill_during_recovery(tmp_pa
         job.kill()
         raise
     check(job, reference, 4)
+
+
+def test_a_stage_without_live_workers_stops_the_job_with_a_message(tmp_path):
+    """Both stage-1 workers of pp=2 x dp=2 killed in one iteration: nothing to re-route to, and no
+    checkpoint. The survivors say which stage and that there is no checkpoint, and the launcher
+    stops the job (no respawn loop) with a non-zero exit code."""
+    pp, dp = 2, 2
+    stage1 = [slot(dp, 0, 1), slot(dp, 1, 1)]
+    traps = [f"{stage1[0]}:F:3", f"{stage1[1]}:B:3"]
+    job = Job(tmp_path, pp, dp, STEPS, job_config(), "adam", traps=traps, timeout=120).start()
+    try:
+        for s in stage1:
+            job.signal_when_trapped(s)
+    except BaseException:
+        job.kill()
+        raise
+    assert job.finish() == 1, job.log_tail()
+    assert job.count(r"stopped the job: training cannot go on in place") == 1
+    assert job.count(r"job stopped before it finished: a stage lost every worker") == 1
+    for s in (slot(dp, 0, 0), slot(dp, 1, 0)):
+        log = (tmp_path / "logs" / f"rank{s}.log").read_text()
+        assert f"rank {s} exited (code 76)" in "\n".join(job.lines)
+        assert "stage 1 has no live worker left" in log and "No checkpoint is configured" in log, log[-3000:]
+        assert "Traceback" not in log, log[-3000:]
