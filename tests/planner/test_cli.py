@@ -109,7 +109,9 @@ def test_bad_cost_files(tmp_path: Path, content: str, message: str, capsys: pyte
 def test_missing_required_argument_and_unimplemented_subcommands(capsys: pytest.CaptureFixture) -> None:
     assert main(["plan", "--pipelines", "2"]) == 2
     assert "--stages" in capsys.readouterr().err
-    assert main(["simulate"]) == 2  # not implemented yet, so not offered
+    assert main(["simulate"]) == 2  # implemented (issue 8): its required arguments are named
+    assert "required" in capsys.readouterr().err
+    assert main(["no-such-command"]) == 2
     assert "invalid choice" in capsys.readouterr().err
 
 
