@@ -204,7 +204,7 @@ def test_offline_run_holds_iterations_failure_and_rejoin(offline):
     monitor.close()
     assert not monitor.disabled
 
-    [path] = wandb_log.run_files(offline, "job-a")
+    [path] = wandb_log.run_files(offline, "job-a", finished=True)
     run = wandb_log.run_record(path)
     assert run.project == "t" and run.run_id == "job-a"
     assert wandb_log.config(path)["ds_config"] == ds_config
@@ -247,7 +247,7 @@ def test_log_every_thins_iterations_not_membership_changes(offline):
         monitor.on_iteration(iteration(i, 0))
     monitor.on_membership_change(failure(at=5))
     monitor.close()
-    [path] = wandb_log.run_files(offline, "job-every")
+    [path] = wandb_log.run_files(offline, "job-every", finished=True)
     rows = wandb_log.history(path)
     assert [r["train/global_step"] for r in rows] == [2, 4, 5]
     assert "recycle/events" not in rows[2] and rows[2]["recycle/event/failed"] == 1
@@ -267,7 +267,7 @@ def test_a_new_writer_resumes_the_same_run_id_with_the_whole_history(offline):
     engine.change(rejoin(at=2), second)
     second.on_iteration(iteration(3, 2))
     second.close()
-    paths = wandb_log.run_files(offline, "job-b")
+    paths = wandb_log.run_files(offline, "job-b", finished=True)
     assert len(paths) == 2  # offline, each writer has its own directory of the one run id
     assert [wandb_log.run_record(p).run_id for p in paths] == ["job-b", "job-b"]
     steps = [r["train/global_step"] for p in paths for r in wandb_log.history(p)]
@@ -290,7 +290,7 @@ def test_an_open_run_is_shared_not_reopened(offline):
     run.log({"train/loss": 1.0, "train/global_step": 1})
     run.finish()
     assert len(list(offline.glob("wandb/offline-run-*"))) == 1
-    [path] = wandb_log.run_files(offline, "hf-run")
+    [path] = wandb_log.run_files(offline, "hf-run", finished=True)
     assert wandb_log.run_record(path).project == "hf"
     rows = wandb_log.history(path)
     assert [sorted(k for k in r if k in ("recycle/loss", "train/loss")) for r in rows] == [
@@ -305,7 +305,7 @@ def test_no_api_key_and_no_wandb_mode_logs_offline(offline, clean_env):
     monitor.on_iteration(iteration(1, 0))
     monitor.close()
     assert not monitor.disabled
-    [path] = wandb_log.run_files(offline, "job-nokey")
+    [path] = wandb_log.run_files(offline, "job-nokey", finished=True)
     assert [r["train/global_step"] for r in wandb_log.history(path)] == [1]
 
 
@@ -342,7 +342,7 @@ def test_online_start_failure_falls_back_to_offline(offline, monkeypatch):
     monitor.on_iteration(iteration(1, 0))
     monitor.close()
     assert modes == ["online", "offline"] and not monitor.disabled
-    assert len(wandb_log.run_files(offline, "job-c")) == 1
+    assert len(wandb_log.run_files(offline, "job-c", finished=True)) == 1
 
 
 # ---- a real job: the writer is killed ----------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -72,9 +73,17 @@ def kinds(path: str | Path) -> list[str]:
     return [record.WhichOneof("record_type") for record in records(path)]
 
 
-def run_files(wandb_dir: str | Path, run_id: str) -> list[Path]:
-    """Every offline directory of ``run_id`` (a resumed offline run opens a new one), oldest first."""
-    return sorted(Path(wandb_dir).glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))
+def run_files(wandb_dir: str | Path, run_id: str, finished: bool = False, timeout: float = 30.0) -> list[Path]:
+    """Every offline directory of ``run_id`` (a resumed offline run opens a new one), oldest first.
+    ``finished``: wait until each file holds its ``exit`` record (``run.finish()`` returns before
+    wandb-core has written the file out)."""
+    paths = sorted(Path(wandb_dir).glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))
+    deadline = time.monotonic() + timeout
+    for path in paths if finished else []:
+        while "exit" not in kinds(path):
+            assert time.monotonic() < deadline, f"{path} has no exit record after {timeout} s"
+            time.sleep(0.05)
+    return paths
 
 
 def summary(path: str | Path) -> dict:
