@@ -104,7 +104,7 @@ class RecycleConfig:
         allowed = [f.name for f in fields(cls)]
         unknown = sorted(set(section) - set(allowed), key=str)
         if unknown:
-            raise RecycleConfigError(f"unknown key {SECTION}.{unknown[0]}; allowed keys: {', '.join(allowed)}")
+            raise RecycleConfigError(f"unknown key {SECTION}.{_key(unknown[0])}; allowed keys: {', '.join(allowed)}")
         values = {
             name: _boolean(section, name, default=(name == "enabled") or getattr(cls, name))
             for name in ("enabled", "decoupled_backprop", "staggered_optimizer")
@@ -221,3 +221,8 @@ def _check_deepspeed_compatibility(ds_config: Mapping[str, Any]) -> None:
             f"'zero_optimization.stage' = {stage!r} is not supported with recycle: ZeRO shards optimizer state "
             "across data-parallel ranks, so a dead rank loses its shard. Allowed: 0"
         )
+
+
+def _key(key: object) -> str:
+    """A key as it can appear in a one-line error: as written when plain, else its repr."""
+    return key if isinstance(key, str) and key.isprintable() and key.strip() == key and key else repr(key)

@@ -50,7 +50,7 @@ from ds_recycle.planner.fault_free import fault_free_plan
 from ds_recycle.planner.list_scheduler import ScheduleOptions
 from ds_recycle.planner.lowering import WorkerStream, lower
 from ds_recycle.planner.plan import FORWARD, CostModel, Plan
-from ds_recycle.runtime import rejoin
+from ds_recycle.runtime import exit_guard, rejoin
 from ds_recycle.runtime.distributed import GROUP_TIMEOUT_SECONDS, membership_agent
 from ds_recycle.runtime.events import IterationStats, MembershipChange, Monitor, PlanSummary
 from ds_recycle.runtime.groups import RecycleGrid, bury, rebuild_world
@@ -205,7 +205,7 @@ class RecyclePipelineEngine(PipelineEngine):
                 f"ReCycle: slot {self.slot} (worker {self.worker}) left the job at iteration {self.global_steps}"
             )
             self.agent.stop()
-            raise SystemExit(0)
+            raise exit_guard.exit(0)
         fault_free_before = self._fault_free_iteration_time()
         previous = self.grid.membership.members
         self._check_survivable(decision.next)
@@ -239,7 +239,7 @@ class RecyclePipelineEngine(PipelineEngine):
             rolled_back = self._roll_back_to(decision.iteration)
             if self.slot not in decision.next.members:
                 logger.info(f"ReCycle: slot {self.slot} left the job during recovery at iteration {self.global_steps}")
-                raise SystemExit(0)
+                raise exit_guard.exit(0)
             self._check_survivable(decision.next)
             fault_free_before = self._fault_free_iteration_time()
             try:
@@ -292,7 +292,7 @@ class RecyclePipelineEngine(PipelineEngine):
         stops the job instead of respawning it."""
         logger.error(f"ReCycle: slot {self.slot} stops: {lost}")
         self.agent.stop()
-        raise SystemExit(STOP_EXIT_CODE)
+        raise exit_guard.exit(STOP_EXIT_CODE)
 
     def _check_survivable(self, membership: Membership) -> None:
         topo = self.module._topo

@@ -21,6 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ds_recycle.runtime import exit_guard
 from ds_recycle.runtime import protocol as proto
 
 SPIN_SECONDS = 0.0005
@@ -126,7 +127,8 @@ class Waiter:
         spins = 0
         while not done.is_set():
             if self.failed.is_set():
-                self._requests = None  # abandon the helper: it may stay blocked in this wait
+                exit_guard.abandoned(self._thread)  # it may stay blocked in this wait
+                self._requests = None
                 raise PeerFailure(f"a failure was announced during {what}")
             spins += 1
             done.wait(SPIN_SECONDS if spins < 200 else POLL_SECONDS)
@@ -136,7 +138,8 @@ class Waiter:
     def _helper(self) -> queue.Queue:
         if self._requests is None:
             requests: queue.Queue = queue.Queue()
-            threading.Thread(target=_serve, args=(requests,), name="recycle-p2p-wait", daemon=True).start()
+            self._thread = threading.Thread(target=_serve, args=(requests,), name="recycle-p2p-wait", daemon=True)
+            self._thread.start()
             self._requests = requests
         return self._requests
 
