@@ -417,7 +417,7 @@ def parse_failures(values: Sequence[str], pipelines: int, stages: int) -> list[t
             p, s = int(match.group(1)), int(match.group(2))
             if not (0 <= p < pipelines and 0 <= s < stages):
                 raise UsageError(
-                    f"--fail {p}:{s} is outside the grid of {pipelines} pipelines x {stages} stages: {allowed}"
+                    f"--fail {p}:{s} is outside the grid of {pipelines} pipelines x {stages} stages: allowed {allowed}"
                 )
             if (p, s) in seen:
                 raise UsageError(f"--fail {p}:{s} is given twice: name each failed worker once ({allowed})")

@@ -320,7 +320,7 @@ class RecyclePipelineEngine(PipelineEngine):
             for kind in (LEAVE, FAILED, JOIN)
         }
         oldest = min((c.time for c in decision.changes), default=time.time())
-        summary = self._plan_summary(fault_free)
+        summary = self.plan_summary(fault_free)
         now = time.time()
         change = MembershipChange(
             epoch=grid.membership.epoch,
@@ -353,7 +353,8 @@ class RecyclePipelineEngine(PipelineEngine):
             for monitor in self.monitors:
                 monitor.on_membership_change(change)
 
-    def _plan_summary(self, fault_free: float | None = None) -> PlanSummary:
+    def plan_summary(self, fault_free: float | None = None) -> PlanSummary:
+        """The plan this worker runs now, as monitors report it."""
         plan = self.plan
         key = repr((plan.pipelines, plan.stages, plan.microbatches, plan.failed, plan.costs.to_dict()))
         rerouted = sum(
@@ -438,7 +439,7 @@ class RecyclePipelineEngine(PipelineEngine):
                 float(loss),
                 seconds,
                 self.train_batch_size(),
-                self._plan_summary().plan_id,
+                self.plan_summary().plan_id,
             )
             for monitor in self.monitors:
                 monitor.on_iteration(stats)

@@ -89,7 +89,7 @@ def build_monitors(
         run_config.update(_topology(engine))
         history = lambda: list(engine.membership_changes)  # noqa: E731
         # The engine summarises its current plan on demand (a private method: see the report).
-        plan_summary = getattr(engine, "_plan_summary", None)
+        plan_summary = getattr(engine, "plan_summary", None)
     share_run_through_environment(config.wandb)
     monitors.append(WandbMonitor(config, run_config=run_config, history=history, plan_summary=plan_summary))
     return monitors

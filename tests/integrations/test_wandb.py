@@ -178,7 +178,7 @@ class Engine:
         self.membership_changes: list[MembershipChange] = []
         self.plan = FAULT_FREE
 
-    def _plan_summary(self) -> PlanSummary:
+    def plan_summary(self) -> PlanSummary:
         return self.plan
 
     def change(self, event: MembershipChange, *monitors: WandbMonitor) -> None:
