@@ -73,6 +73,15 @@ class MonitorConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """``recycle.checkpoint``: DeepSpeed checkpoints every ``interval`` iterations in ``dir``; a job
+    whose stage lost every worker restarts every rank from the latest (``ds-recycle launch --respawn``)."""
+
+    dir: str
+    interval: int
+
+
+@dataclass(frozen=True)
 class RecycleConfig:
     enabled: bool = False
     decoupled_backprop: bool = True
@@ -83,6 +92,8 @@ class RecycleConfig:
     detect_timeout: float = 30.0
     """Seconds a worker that saw a comm error waits for the launcher to name the failed worker."""
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    checkpoint: CheckpointConfig | None = None
+    """None: no periodic checkpoint; a job that loses a whole stage stops."""
 
     @classmethod
     def from_ds_config(cls, ds_config: Mapping[str, Any]) -> RecycleConfig:
@@ -115,7 +126,23 @@ class RecycleConfig:
             join_timeout=_seconds(section, "join_timeout", cls.join_timeout),
             detect_timeout=_seconds(section, "detect_timeout", cls.detect_timeout),
             monitor=monitor_config(section.get("monitor")),
+            checkpoint=_checkpoint(section.get("checkpoint")),
         )
+
+
+def _checkpoint(value: Any) -> CheckpointConfig | None:
+    key = f"{SECTION}.checkpoint"
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise RecycleConfigError(f"{key} must be null or an object with keys dir, interval, got {value!r}")
+    _no_unknown(value, key, ["dir", "interval"])
+    directory, interval = value.get("dir"), value.get("interval")
+    if not isinstance(directory, str) or not directory.strip() or "\x00" in directory:
+        raise RecycleConfigError(f"{key}.dir must be a non-empty directory path, got {directory!r}")
+    if isinstance(interval, bool) or not isinstance(interval, int) or not 1 <= interval <= 10**9:
+        raise RecycleConfigError(f"{key}.interval must be an integer number of iterations >= 1, got {interval!r}")
+    return CheckpointConfig(directory, interval)
 
 
 def _boolean(section: Mapping[str, Any], name: str, default: bool, key: str = SECTION) -> bool:

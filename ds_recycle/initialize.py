@@ -117,6 +117,8 @@ def initialize(
             collate_fn=collate_fn,
             drop_last=engine.dataloader_drop_last(),
         )
+    if recycle.enabled and not (agent is not None and agent.is_joiner):
+        engine.resume_from_checkpoint()  # recycle.checkpoint: continue from its latest, if any
     if agent is not None:
         if agent.is_joiner:
             engine.join()

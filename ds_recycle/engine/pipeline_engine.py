@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import time
 from types import MethodType
 
@@ -28,6 +29,7 @@ from deepspeed.utils import groups
 
 from ds_recycle.config import RecycleConfig, RecycleConfigError
 from ds_recycle.engine import autocast_p2p
+from ds_recycle.engine import checkpoint as checkpoints
 from ds_recycle.engine.backward_split import backward_input, backward_weight
 from ds_recycle.engine.routing import ACTIVATION, GRADIENT, PeerChannel
 from ds_recycle.engine.staggered_step import StageStepper
@@ -55,7 +57,7 @@ from ds_recycle.runtime.distributed import GROUP_TIMEOUT_SECONDS, membership_age
 from ds_recycle.runtime.events import IterationStats, MembershipChange, Monitor, PlanSummary
 from ds_recycle.runtime.groups import RecycleGrid, bury, rebuild_world
 from ds_recycle.runtime.membership import EpochSuperseded, Progress, connect
-from ds_recycle.runtime.protocol import FAILED, JOIN, LEAVE, STOP_EXIT_CODE, Decision, Membership
+from ds_recycle.runtime.protocol import FAILED, JOIN, LEAVE, RESTART_EXIT_CODE, STOP_EXIT_CODE, Decision, Membership
 from ds_recycle.runtime.waiting import FailureWatcher, PeerFailure, Waiter
 
 _EXTRA_BUFFERS = ("losses", "grads", "input_grads", "weight_work")
@@ -289,20 +291,67 @@ class RecyclePipelineEngine(PipelineEngine):
 
     def _stop_job(self, lost: StageLostError) -> None:
         """Training cannot go on in place: say why, once, and end this rank so that the launcher
-        stops the job instead of respawning it."""
+        restarts every rank from the latest checkpoint (exit 75), or stops the job without one."""
+        tag = checkpoints.latest_tag(self.recycle.checkpoint)
         logger.error(f"ReCycle: slot {self.slot} stops: {lost}")
         self.agent.stop()
-        raise exit_guard.exit(STOP_EXIT_CODE)
+        raise exit_guard.exit(STOP_EXIT_CODE if tag is None else RESTART_EXIT_CODE)
+
+    # ---- checkpoints ------------------------------------------------------------------------
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
+        """DeepSpeed's checkpoint; while workers are missing, each stage's lowest live replica
+        writes the stage and the lowest live rank writes ``latest`` once every file is written."""
+        client_state = client_state or {}
+        if not self.recycle.enabled or not self.grid.failed:
+            return super().save_checkpoint(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        tag = str(tag or f"global_step{self.global_steps}")
+        view = checkpoints.writer_view(self.grid)
+        os.makedirs(save_dir, exist_ok=True)
+        writes, grid = self.save_non_zero_checkpoint, self.module._grid
+        self.save_non_zero_checkpoint, self.module._grid = view.data_parallel_id == 0, view
+        try:
+            saved = super().save_checkpoint(save_dir, tag, client_state, False, exclude_frozen_parameters)
+        finally:
+            self.save_non_zero_checkpoint, self.module._grid = writes, grid
+        if save_latest and self.is_lowest_live_rank():
+            checkpoints.write_latest(save_dir, tag)
+        return saved
+
+    def resume_from_checkpoint(self) -> None:
+        """At start: continue from the latest checkpoint in ``recycle.checkpoint.dir``, if any."""
+        tag = checkpoints.latest_tag(self.recycle.checkpoint)
+        if tag is None:
+            return
+        self.load_checkpoint(self.recycle.checkpoint.dir, tag)
+        logger.info(
+            f"ReCycle: slot {self.slot} resumed from checkpoint {tag} in {self.recycle.checkpoint.dir} "
+            f"at iteration {self.global_steps}"
+        )
+
+    def _save_if_due(self) -> None:
+        config = self.recycle.checkpoint
+        if checkpoints.due(config, self.global_steps):
+            self.save_checkpoint(config.dir)
 
     def _check_survivable(self, membership: Membership) -> None:
         topo = self.module._topo
         live_stages = {topo.get_coord(slot).pipe for slot in membership.members}
         empty = [s for s in range(self.num_stages) if s not in live_stages]
         if empty:
+            config, tag = self.recycle.checkpoint, checkpoints.latest_tag(self.recycle.checkpoint)
+            if config is None:
+                after = "No checkpoint is configured (recycle.checkpoint), so the job stops here."
+            elif tag is None:
+                after = f"No checkpoint was written yet in {config.dir}, so the job stops here."
+            else:
+                after = (
+                    f"Last checkpoint: {tag} in {config.dir}; ds-recycle launch --respawn restarts every rank "
+                    "from it (without --respawn the job ends with exit code 75)."
+                )
             raise StageLostError(
                 f"stage {empty[0]} has no live worker left in epoch {membership.epoch}: training cannot "
-                f"continue in place. Last finished iteration: {self.global_steps}. No checkpoint is configured "
-                "(recycle.checkpoint), so the job stops here."
+                f"continue in place. Last finished iteration: {self.global_steps}. {after}"
             )
 
     def _report_change(
@@ -421,6 +470,7 @@ class RecyclePipelineEngine(PipelineEngine):
                 if self.agent is not None:
                     self.agent.publish_iteration_seconds(time.time() - began)
                     self._at_boundary()
+                self._save_if_due()
                 break
             except PeerFailure as failure:
                 if self.agent is None:

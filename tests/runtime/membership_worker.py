@@ -43,6 +43,10 @@ def main() -> None:
     torch.set_num_threads(1)
     ds_recycle.init_distributed()
     slot, incarnation = int(os.environ["RANK"]), int(os.environ.get("DS_RECYCLE_INCARNATION", "0"))
+    generation = int(os.environ.get("DS_RECYCLE_GENERATION", "0"))
+    if generation:  # a restart of every rank from the checkpoint: files of its own, traps done
+        incarnation += GENERATION_STRIDE * generation
+        args.trap = []
 
     tokenizer, tokens = shipped_corpus_tokens()
     cfg = GPTConfig(tokenizer.vocab_size, **MODEL)
@@ -87,6 +91,8 @@ def main() -> None:
         save_atomically(record, args.out / f"{slot}.{incarnation}.pt")
 
 
+GENERATION_STRIDE = 1000
+"""Records of a restarted job (generation g) are saved as incarnation 1000 g + i."""
 POINTS = ("F", "B", "W", "allreduce", "stepped", "recovery")
 PARK_SECONDS = 120.0
 

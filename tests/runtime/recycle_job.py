@@ -205,10 +205,17 @@ def fault_free(tmp_path_factory, pp: int, dp: int, steps: int, optimizer: str) -
     return _fault_free[key]
 
 
-def rejoin(job: Job, slots: list[int], iteration: int, joins: dict[int, int]) -> None:
-    """Let the survivors run a few iterations on the adapted plan, then hold them at a boundary
-    until the respawns of ``slots`` are accepted (``joins``: accepted joins per slot before)."""
+def hold_degraded(job: Job, iteration: int) -> None:
+    """Right after a fault at ``iteration``: the survivors run a few iterations on the adapted plan,
+    then wait at a boundary. Set before anything slow (a leaver's exit, a respawn) so that a loaded
+    machine cannot let them run to the end of the job before the re-join."""
     job.hold(iteration + DEGRADED_ITERATIONS)
+
+
+def rejoin(job: Job, slots: list[int], iteration: int, joins: dict[int, int]) -> None:
+    """Hold the survivors a few iterations after ``iteration`` until the respawns of ``slots`` are
+    accepted (``joins``: accepted joins per slot before), then let everyone train."""
+    hold_degraded(job, iteration)
     for s in slots:
         job.wait_for_line(rf"accepted join of slot {s} ", joins[s] + 1, timeout=180)
     job.hold(None)
@@ -220,6 +227,16 @@ def assert_same_as_fault_free(job: Job, reference: dict[int, dict], steps: int) 
     """Every parameter and optimizer state of every finishing slot, and every loss any process
     reported, equal the fault-free run; the F ledger of all processes, killed ones included, shows
     every micro-batch of every iteration exactly once per stage."""
+    records = assert_final_states(job, reference, steps)
+    finished = final_states(records)
+    ledgers = [record["ledger"] for record in records]
+    ledgers += killed_ledgers(job.killed(), [c for r in finished.values() for c in r["changes"]], job.dp)
+    assert_ledger_exact(ledgers, job.pp, job.dp, M, steps)
+
+
+def assert_final_states(job: Job, reference: dict[int, dict], steps: int) -> list[dict]:
+    """Every parameter and optimizer state of every finishing slot, and every loss any process
+    reported, equal the fault-free run; returns the records."""
     records = job.records()
     finished = final_states(records)
     assert sorted(finished) == sorted(reference), f"finished slots {sorted(finished)}"
@@ -243,9 +260,7 @@ def assert_same_as_fault_free(job: Job, reference: dict[int, dict], steps: int) 
         for iteration, loss in record["losses"].items():
             want = reference_losses[iteration]
             assert loss == pytest.approx(want, rel=RTOL), f"slot {record['slot']} it {iteration}"
-    ledgers = [record["ledger"] for record in records]
-    ledgers += killed_ledgers(job.killed(), [c for r in finished.values() for c in r["changes"]], job.dp)
-    assert_ledger_exact(ledgers, job.pp, job.dp, M, steps)
+    return records
 
 
 def killed_ledgers(killed: dict[tuple[int, int], dict], changes: list[dict], dp: int) -> list[list]:

@@ -15,7 +15,16 @@ import re
 import signal
 
 import pytest
-from recycle_job import Job, assert_same_as_fault_free, fault_free, job_config, rejoin, slot
+from recycle_job import (
+    Job,
+    assert_final_states,
+    assert_same_as_fault_free,
+    fault_free,
+    hold_degraded,
+    job_config,
+    rejoin,
+    slot,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -34,6 +43,7 @@ def run_faults(job: Job, faults: list[tuple[list[int], int]]) -> None:
         for s in slots:
             job.signal_when_trapped(s, sig)
         iteration = max(job.progress(s) for s in range(job.pp * job.dp))
+        hold_degraded(job, iteration)
         for s in slots:
             job.wait_for_line(rf"rank {s} exited \(signal SIGKILL\)")
         rejoin(job, slots, iteration, joins)
@@ -92,6 +102,7 @@ def test_d_minus_one_workers_of_a_stage_and_a_second_kill_during_recovery(tmp_pa
         job.signal_when_trapped(then)
         job.signal_when_trapped(during_recovery)
         iteration = max(job.progress(s) for s in range(pp * dp))
+        hold_degraded(job, iteration)
         rejoin(job, [then, during_recovery], iteration, joins)
     except BaseException:
         job.kill()
@@ -121,3 +132,29 @@ def test_a_stage_without_live_workers_stops_the_job_with_a_message(tmp_path):
         assert f"rank {s} exited (code 76)" in "\n".join(job.lines)
         assert "stage 1 has no live worker left" in log and "No checkpoint is configured" in log, log[-3000:]
         assert "Traceback" not in log, log[-3000:]
+
+
+def test_a_lost_stage_restarts_every_rank_from_the_latest_checkpoint(tmp_path, tmp_path_factory):
+    """With recycle.checkpoint (every 4 iterations), losing both stage-1 workers of pp=2 x dp=2
+    during iteration 9 makes the survivors name the checkpoint and exit 75; ds-recycle launch
+    --respawn restarts every rank, they resume from global_step8 (at most one interval lost), and
+    the job ends with the fault-free parameters and optimizer state."""
+    pp, dp = 2, 2
+    reference = fault_free(tmp_path_factory, pp, dp, STEPS, "adam")
+    config = job_config()
+    config["recycle"]["checkpoint"] = {"dir": str(tmp_path / "checkpoints"), "interval": 4}
+    stage1 = [slot(dp, 0, 1), slot(dp, 1, 1)]
+    traps = [f"{stage1[0]}:F:9", f"{stage1[1]}:B:9"]
+    job = Job(tmp_path, pp, dp, STEPS, config, "adam", traps=traps).start()
+    try:
+        for s in stage1:
+            job.signal_when_trapped(s)
+    except BaseException:
+        job.kill()
+        raise
+    assert job.finish() == 0, job.log_tail()
+    assert job.count(r"restarting every rank from the checkpoint \(generation 1\)") == 1
+    survivor = (tmp_path / "logs" / f"rank{slot(dp, 0, 0)}.log").read_text()
+    assert "stage 1 has no live worker left" in survivor and "Last checkpoint: global_step8" in survivor
+    assert survivor.count("resumed from checkpoint global_step8") == 1, survivor[-3000:]
+    assert_final_states(job, reference, STEPS)

@@ -10,7 +10,7 @@ per stage.
 from __future__ import annotations
 
 import pytest
-from recycle_job import Job, assert_same_as_fault_free, fault_free, job_config, rejoin, slot
+from recycle_job import Job, assert_same_as_fault_free, fault_free, hold_degraded, job_config, rejoin, slot
 
 pytestmark = pytest.mark.multiprocess
 
@@ -39,6 +39,7 @@ def test_leave_and_rejoin_keeps_fault_free_math(tmp_path, tmp_path_factory, pp, 
             exits = {s: job.count(rf"rank {s} exited \(code 0\)") for s in slots}
             joins = {s: job.count(rf"accepted join of slot {s} ") for s in slots}
             job.signal_at(slots, iteration)  # SIGTERM: leave at the next boundary
+            hold_degraded(job, iteration)
             for s in slots:
                 job.wait_for_line(rf"rank {s} exited \(code 0\)", exits[s] + 1)
             rejoin(job, slots, iteration, joins)
