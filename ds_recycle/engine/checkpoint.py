@@ -19,17 +19,19 @@ LATEST = "latest"
 
 @dataclass(frozen=True)
 class StageWriterView:
-    """The two attributes ``PipelineModule.save_state_dict`` reads from its grid, counted among the
-    live replicas of this stage: the lowest live one is data-parallel rank 0 and writes."""
+    """What ``PipelineModule.save_state_dict`` reads from its grid: the data-parallel rank and size
+    counted among the live replicas of this stage (the lowest live one is rank 0 and writes), and
+    the job's topology, which names the layer files."""
 
     data_parallel_id: int
     data_parallel_size: int
+    _topo: object
 
 
-def writer_view(grid) -> StageWriterView:
+def writer_view(grid, topology) -> StageWriterView:
     pipeline, stage = grid.worker
     live = [p for p, _ in grid.live_workers(stage)]
-    return StageWriterView(live.index(pipeline), len(live))
+    return StageWriterView(live.index(pipeline), len(live), topology)
 
 
 def latest_tag(config: CheckpointConfig | None) -> str | None:

@@ -306,7 +306,7 @@ class RecyclePipelineEngine(PipelineEngine):
         if not self.recycle.enabled or not self.grid.failed:
             return super().save_checkpoint(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
         tag = str(tag or f"global_step{self.global_steps}")
-        view = checkpoints.writer_view(self.grid)
+        view = checkpoints.writer_view(self.grid, self.module._topo)
         os.makedirs(save_dir, exist_ok=True)
         writes, grid = self.save_non_zero_checkpoint, self.module._grid
         self.save_non_zero_checkpoint, self.module._grid = view.data_parallel_id == 0, view
