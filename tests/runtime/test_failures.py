@@ -110,20 +110,26 @@ def test_d_minus_one_workers_of_a_stage_and_a_second_kill_during_recovery(tmp_pa
     check(job, reference, 4)
 
 
-def test_a_stage_without_live_workers_stops_the_job_with_a_message(tmp_path):
-    """Both stage-1 workers of pp=2 x dp=2 killed in one iteration: nothing to re-route to, and no
-    checkpoint. The survivors say which stage and that there is no checkpoint, and the launcher
-    stops the job (no respawn loop) with a non-zero exit code."""
-    pp, dp = 2, 2
-    stage1 = [slot(dp, 0, 1), slot(dp, 1, 1)]
-    traps = [f"{stage1[0]}:F:3", f"{stage1[1]}:B:3"]
-    job = Job(tmp_path, pp, dp, STEPS, job_config(), "adam", traps=traps, timeout=120).start()
+def kill_stage_1_of_pp2xdp2(job: Job, iteration: int) -> Job:
+    """Start ``job`` and SIGKILL both stage-1 workers in ``iteration`` (one during F, one during B)."""
+    stage1 = [slot(job.dp, 0, 1), slot(job.dp, 1, 1)]
+    job.traps = [f"{stage1[0]}:F:{iteration}", f"{stage1[1]}:B:{iteration}"]
+    job.start()
     try:
         for s in stage1:
             job.signal_when_trapped(s)
     except BaseException:
         job.kill()
         raise
+    return job
+
+
+def test_a_stage_without_live_workers_stops_the_job_with_a_message(tmp_path):
+    """Both stage-1 workers of pp=2 x dp=2 killed in one iteration: nothing to re-route to, and no
+    checkpoint. The survivors say which stage and that there is no checkpoint, and the launcher
+    stops the job (no respawn loop) with a non-zero exit code."""
+    pp, dp = 2, 2
+    job = kill_stage_1_of_pp2xdp2(Job(tmp_path, pp, dp, STEPS, job_config(), "adam", timeout=120), 3)
     assert job.finish() == 1, job.log_tail()
     assert job.count(r"stopped the job: training cannot go on in place") == 1
     assert job.count(r"job stopped before it finished: a stage lost every worker") == 1
@@ -143,15 +149,7 @@ def test_a_lost_stage_restarts_every_rank_from_the_latest_checkpoint(tmp_path, t
     reference = fault_free(tmp_path_factory, pp, dp, STEPS, "adam")
     config = job_config()
     config["recycle"]["checkpoint"] = {"dir": str(tmp_path / "checkpoints"), "interval": 4}
-    stage1 = [slot(dp, 0, 1), slot(dp, 1, 1)]
-    traps = [f"{stage1[0]}:F:9", f"{stage1[1]}:B:9"]
-    job = Job(tmp_path, pp, dp, STEPS, config, "adam", traps=traps).start()
-    try:
-        for s in stage1:
-            job.signal_when_trapped(s)
-    except BaseException:
-        job.kill()
-        raise
+    job = kill_stage_1_of_pp2xdp2(Job(tmp_path, pp, dp, STEPS, config, "adam"), 9)
     assert job.finish() == 0, job.log_tail()
     assert job.count(r"restarting every rank from the checkpoint \(generation 1\)") == 1
     survivor = (tmp_path / "logs" / f"rank{slot(dp, 0, 0)}.log").read_text()
