@@ -1,0 +1,288 @@
+"""ReCycle's adaptive pipelining in the real engine: iteration time with workers gone, measured
+against the planner's prediction, and against re-routing alone.
+
+Under timing emulation (every F, B and W padded to --ms milliseconds, so that this host's few
+cores stand in for eight devices), one ``ds-recycle launch --respawn`` job of pp=4 x dp=2, m=8
+runs three phases:
+
+1. fault-free;
+2. one worker of stage 1 gone: it gets SIGTERM (a leave: it finishes its iteration and the
+   survivors switch to the adapted plan at the next boundary); its respawn waits behind a gate;
+3. it re-joins (the survivors wait at a boundary until the launcher accepts the join), then one
+   worker of stage 0 and one of stage 3 (of the other pipeline) get SIGTERM.
+
+The same job runs twice: with ReCycle's mechanisms (decoupled backprop, staggered optimizer step)
+and with ``decoupled_backprop: false, staggered_optimizer: false`` (re-routing alone). For each
+failure set it prints the measured median iteration time (over the iterations of that epoch after
+the switch iteration, excluding the switch iteration and the epoch's last one), the plan's
+prediction and lower bound, measured / predicted (goal: at most 1.10) and the throughput kept
+relative to the same engine's fault-free phase; then the ratio re-routing alone / ReCycle.
+
+An iteration's time is the period of the whole job: the last rank's end of iteration i minus the
+last rank's end of iteration i - 1 (wall clock of one host).
+
+    .venv/bin/python bench/failures.py [--ms 40] [--iterations 12] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[0] / "tests" / "runtime"))
+
+from recycle_job import Job, ds_config, slot  # noqa: E402
+
+WORKER = HERE / "failure_worker.py"
+PP, DP, M = 4, 2, 8
+STAGE_1 = [(0, 1)]
+"""Worker (pipeline, stage) that leaves in phase 2."""
+STAGES_0_AND_3 = [(0, 0), (1, 3)]
+"""Workers that leave in phase 3."""
+WARMUP = 2
+"""Iterations of the fault-free phase not measured (first iterations: allocations, caches)."""
+MODES = {
+    "ReCycle": {},
+    "re-routing alone": {"decoupled_backprop": False, "staggered_optimizer": False},
+}
+
+
+@dataclass
+class Row:
+    mode: str
+    failed: list[tuple[int, int]]
+    epoch: int
+    first_iteration: int
+    iterations: list[int]
+    """The iterations measured."""
+    seconds: list[float]
+    predicted_ms: float
+    lower_bound_ms: float
+    fault_free_predicted_ms: float
+    rerouted: int
+    kept: float = float("nan")
+    """Measured throughput relative to this mode's fault-free phase."""
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.seconds) * 1e3
+
+    @property
+    def min_ms(self) -> float:
+        return min(self.seconds) * 1e3
+
+    @property
+    def measured_over_predicted(self) -> float:
+        return self.median_ms / self.predicted_ms
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    rows: list[Row] = field(default_factory=list)
+    wall_seconds: float = 0.0
+
+    def row(self, failed: list[tuple[int, int]]) -> Row | None:
+        return next((r for r in self.rows if sorted(r.failed) == sorted(failed)), None)
+
+
+def run_mode(mode: str, overrides: dict, ms: float, iterations: int, workdir: Path, timeout: float) -> ModeResult:
+    """One launch with the three phases; returns one row per epoch with enough iterations."""
+    began = time.time()
+    steps = 3 * iterations + 20
+    config = ds_config(M, 0.0, {"emulate_timing": {"F": ms, "B": ms, "W": ms}, **overrides})
+    tmp = workdir / mode.replace(" ", "_")
+    job = Job(tmp, PP, DP, steps, config, "sgd", respawn=True, timeout=timeout, worker=WORKER)
+    for s in range(PP * DP):
+        (job.out / f"gate{s}").write_text("")  # respawns wait until the benchmark lets them in
+    leaver = [slot(DP, p, s) for p, s in STAGE_1]
+    pair = [slot(DP, p, s) for p, s in STAGES_0_AND_3]
+    watch = slot(DP, 1, 1)  # a worker that never leaves
+    job.start()
+    try:
+        # Phase 1 -> 2: the stage-1 worker leaves after WARMUP + iterations + 1 fault-free iterations.
+        at = WARMUP + iterations + 1
+        job.wait_until(lambda: job.progress(watch) >= at, f"iteration {at}", timeout=600)
+        job.signal_at(leaver, at, signal.SIGTERM, watch=watch)
+        job.wait_for_line(rf"rank {leaver[0]} exited \(code 0\)", timeout=120)
+        switched = job.progress(watch)
+        # Phase 2 -> re-join: hold the survivors after `iterations` + 2 more, let the respawn in.
+        hold = switched + iterations + 2
+        job.hold(hold)
+        job.wait_until(lambda: job.progress(watch) >= hold, f"iteration {hold}", timeout=600)
+        (job.out / f"gate{leaver[0]}").unlink()
+        job.wait_for_line(rf"accepted join of slot {leaver[0]} ", timeout=300)
+        job.hold(None)
+        job.wait_until(lambda: job.progress(leaver[0]) > hold, "the re-joined worker to train", timeout=300)
+        # Phase 3: two fault-free iterations after the re-join, then stage 0 and stage 3 leave.
+        job.signal_at(pair, job.progress(watch) + 2, signal.SIGTERM, watch=watch)
+        left = job.progress(watch)
+        if steps - left < iterations + 4:
+            raise AssertionError(f"only {steps - left} iterations left for phase 3; raise the step count")
+    except BaseException:
+        job.kill()
+        raise
+    code = job.finish()
+    if code != 0:
+        raise SystemExit(f"{mode}: the launcher exited {code}\n{job.log_tail()}")
+    result = ModeResult(mode, measure(mode, job.out, steps), time.time() - began)
+    fault_free = result.row([])
+    for row in result.rows:
+        row.kept = fault_free.median_ms / row.median_ms if fault_free else float("nan")
+    return result
+
+
+def load_processes(out: Path) -> list[dict]:
+    """Every process's last saved state: final records, else what it saved after its last iteration."""
+    final = {p.name: torch.load(p, weights_only=False) for p in out.glob("[0-9]*.pt")}
+    processes = []
+    for path in sorted(out.glob("ledger*.pt")):
+        name = path.name[len("ledger") :]
+        processes.append(final.get(name) or torch.load(path, weights_only=False))
+    return processes
+
+
+def measure(mode: str, out: Path, steps: int) -> list[Row]:
+    processes = load_processes(out)
+    # The job's period: the last end of iteration i over every process that ran it.
+    ends: dict[int, float] = {}
+    for process in processes:
+        for call in process["calls"]:
+            ends[call["done"] - 1] = max(ends.get(call["done"] - 1, 0.0), call["end"])
+    # Epochs: the first iteration and the plan each ran, from every process's changes and calls.
+    epochs: dict[int, dict] = {}
+    for process in processes:
+        for call in process["calls"]:
+            if "plan" in call and call["epoch"] not in epochs:
+                epochs[call["epoch"]] = {"plan": call["plan"], "first": None}
+        for change in process["changes"]:
+            epochs.setdefault(change["epoch"], {"plan": change["plan"], "first": None})["first"] = change["iteration"]
+    epochs[0]["first"] = 0
+    order = sorted(epochs)
+    rows = []
+    for index, epoch in enumerate(order):
+        first = epochs[epoch]["first"]
+        end = epochs[order[index + 1]]["first"] if index + 1 < len(order) else steps
+        skip = WARMUP if epoch == 0 else 1  # the switch iteration (or warm-up) ...
+        last = end - 1 if index + 1 < len(order) else end  # ... and the epoch's last one (a hold)
+        measured = [i for i in range(first + skip, last) if i in ends and i - 1 in ends]
+        if len(measured) < 3:
+            continue
+        plan = epochs[epoch]["plan"]
+        rows.append(
+            Row(
+                mode=mode,
+                failed=sorted(tuple(w) for w in plan["failed"]),
+                epoch=epoch,
+                first_iteration=first,
+                iterations=measured,
+                seconds=[ends[i] - ends[i - 1] for i in measured],
+                predicted_ms=plan["predicted_iteration_time"],
+                lower_bound_ms=plan["lower_bound"],
+                fault_free_predicted_ms=plan["fault_free_iteration_time"],
+                rerouted=plan["rerouted_microbatches"],
+            )
+        )
+    # A phase re-measured (fault-free after the re-join) keeps its first, longer epoch.
+    unique: dict[tuple, Row] = {}
+    for row in rows:
+        key = tuple(row.failed)
+        if key not in unique or len(row.iterations) > len(unique[key].iterations):
+            unique[key] = row
+    return sorted(unique.values(), key=lambda r: r.epoch)
+
+
+def describe(failed: list[tuple[int, int]]) -> str:
+    if not failed:
+        return "fault-free"
+    return " ".join(f"({p},{s})" for p, s in failed)
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ms", type=float, default=40.0, help="emulated duration of each F, B and W")
+    parser.add_argument("--iterations", type=int, default=12, help="iterations measured per phase (about)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="bound on each launch, seconds")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument("--keep", type=Path, default=None, help="keep the jobs' files in this directory")
+    args = parser.parse_args()
+    load_before = load_average()
+    workdir = Path(tempfile.mkdtemp(prefix="ds_recycle_failures_")) if args.keep is None else args.keep
+    try:
+        results = [run_mode(mode, o, args.ms, args.iterations, workdir, args.timeout) for mode, o in MODES.items()]
+    finally:
+        if args.keep is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    report(results, args, load_before)
+
+
+def report(results: list[ModeResult], args: argparse.Namespace, load_before: str) -> None:
+    print(
+        f"pp={PP} dp={DP} m={M}, F=B=W={args.ms:g} ms emulated, ds-recycle launch on {os.cpu_count()} cores; "
+        f"load average before {load_before}, after {load_average()}"
+    )
+    print(
+        "workers gone by SIGTERM (leave at a boundary); (p,s) = (pipeline, stage); times in ms; "
+        "kept = throughput / same mode's fault-free"
+    )
+    header = (
+        f"{'mode':17}{'gone':12}{'iters':>6}{'median':>9}{'min':>9}{'predicted':>10}{'bound':>8}"
+        f"{'meas/pred':>10}{'kept':>7}{'kept pred':>10}{'rerouted F':>11}"
+    )
+    print(header)
+    for result in results:
+        for row in result.rows:
+            kept_predicted = row.fault_free_predicted_ms / row.predicted_ms
+            print(
+                f"{row.mode:17}{describe(row.failed):12}{len(row.iterations):6d}{row.median_ms:9.1f}"
+                f"{row.min_ms:9.1f}{row.predicted_ms:10.1f}{row.lower_bound_ms:8.1f}"
+                f"{row.measured_over_predicted:10.3f}{row.kept:7.3f}{kept_predicted:10.3f}{row.rerouted:11d}"
+            )
+    recycle, alone = results[0], results[1]
+    print("re-routing alone / ReCycle (iteration time; > 1: ReCycle's mechanisms pay off):")
+    for failed in ([], STAGE_1, STAGES_0_AND_3):
+        ours, theirs = recycle.row(failed), alone.row(failed)
+        if ours is None or theirs is None:
+            print(f"  {describe(failed):12} not measured (an epoch had too few iterations)")
+            continue
+        print(
+            f"  {describe(failed):12} measured {theirs.median_ms / ours.median_ms:.3f}, "
+            f"predicted {theirs.predicted_ms / ours.predicted_ms:.3f}"
+        )
+    worst = max(row.measured_over_predicted for result in results for row in result.rows)
+    verdict = "met" if worst <= 1.10 else "NOT met"
+    print(f"worst measured/predicted {worst:.3f} (goal <= 1.10: {verdict}); wall time per launch: ", end="")
+    print(", ".join(f"{r.mode} {r.wall_seconds:.0f} s" for r in results))
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "ms": args.ms,
+                    "modes": [
+                        {"mode": r.mode, "wall_seconds": r.wall_seconds, "rows": [asdict(row) for row in r.rows]}
+                        for r in results
+                    ],
+                },
+                indent=1,
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
