@@ -154,10 +154,11 @@ class RecyclePipelineEngine(PipelineEngine):
 
     def join(self) -> None:
         """In a respawned process: wait to be admitted, enter the world, copy the state of a live replica."""
-        began = time.time()
         self.agent.start_heartbeat()
+        admitted_once = False
         while True:
-            membership = self.agent.wait_for_admission(timeout=self.recycle.join_timeout)
+            membership = self.agent.wait_for_admission(self.recycle.join_timeout, predecessor_removed=admitted_once)
+            admitted_once = True
             previous = Membership.from_json(self.agent.store.get(f"epoch/{membership.epoch - 1}"))
             try:
                 self._enter_epoch(membership, previous.members)
@@ -169,7 +170,7 @@ class RecyclePipelineEngine(PipelineEngine):
         self.agent.install_leave_handler()
         logger.info(
             f"ReCycle: slot {self.slot} re-joined as worker {self.worker} in epoch {membership.epoch} at "
-            f"iteration {self.global_steps} ({time.time() - began:.2f} s from its request)"
+            f"iteration {self.global_steps} ({time.time() - self.agent.requested_at:.2f} s from its request)"
         )
 
     def start_membership(self) -> None:

@@ -73,6 +73,8 @@ class MembershipAgent:
     applied: int = 0
     """How many entries of ``pending`` the decisions so far have taken."""
     leave_requested: bool = False
+    requested_at: float = 0.0
+    """When this process last posted its join request (wall clock)."""
     _heartbeat: threading.Thread | None = field(default=None, repr=False)
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
 
@@ -253,20 +255,31 @@ class MembershipAgent:
 
     # ---- joining -----------------------------------------------------------------------------
 
-    def wait_for_admission(self, timeout: float) -> Membership:
-        """Post a join request and wait until an epoch includes this slot."""
-        self.request(proto.JOIN)
+    def wait_for_admission(self, timeout: float, predecessor_removed: bool = False) -> Membership:
+        """Wait until an epoch without this slot is decided (a respawn can start before the
+        survivors have decided the removal of its predecessor, whose epoch still names the slot),
+        then post a join request and wait until an epoch includes this slot.
+        ``predecessor_removed``: this process was admitted once already (its epoch was superseded)."""
         deadline = time.monotonic() + timeout
+        if not predecessor_removed:
+            removed = "decided the removal of its predecessor"
+            self._wait_for_epoch(lambda m: self.slot not in m.members, deadline, removed)
+        self.request(proto.JOIN)
+        self.requested_at = time.time()
+        current = self._wait_for_epoch(lambda m: self.slot in m.members, deadline, "admitted it")
+        self.current = current
+        self.applied = self._decision_creating(current).applied
+        return current
+
+    def _wait_for_epoch(self, condition, deadline: float, what: str) -> Membership:
         while time.monotonic() < deadline:
             current = self._read_current()
-            if self.slot in current.members:
-                self.current = current
-                self.applied = self._decision_creating(current).applied
+            if condition(current):
                 return current
             time.sleep(0.02)
         raise MembershipError(
-            f"slot {self.slot} asked to join but no epoch admitted it within {timeout:.0f} s "
-            f"(is the job still running, and was the request refused by the launcher?)"
+            f"slot {self.slot} wants to join but no epoch {what} in time (recycle.join_timeout; is the job "
+            "still running, and was the request refused by the launcher?)"
         )
 
     # ---- liveness ------------------------------------------------------------------------------
