@@ -46,19 +46,16 @@ STARTED = time.time()
 """After the gate: when this process started to build its engine."""
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 from types import MethodType  # noqa: E402
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "runtime"))
 
 import torch  # noqa: E402
-from membership_worker import MODEL, save_atomically, wait_while_held  # noqa: E402
+from membership_worker import build_engine, report_progress, save_atomically, wait_while_held  # noqa: E402
 
 import ds_recycle  # noqa: E402
-from ds_recycle.data import TokenWindowProvider, shipped_corpus_tokens  # noqa: E402
 from ds_recycle.instructions.routed import BackwardInput, BackwardWeight, ForwardPass, StaggeredStep  # noqa: E402
-from ds_recycle.models import GPTConfig, build_gpt_pipeline  # noqa: E402
 from ds_recycle.runtime.distributed import membership_agent  # noqa: E402
 
 POINTS = ("F", "B", "W", "allreduce", "stepped", "recovery")
@@ -146,19 +143,8 @@ def main() -> None:
     ds_recycle.init_distributed()
     slot, incarnation = int(os.environ["RANK"]), int(os.environ.get("DS_RECYCLE_INCARNATION", "0"))
 
-    tokenizer, tokens = shipped_corpus_tokens()
-    cfg = GPTConfig(tokenizer.vocab_size, **MODEL)
-    model = build_gpt_pipeline(cfg, num_stages=args.pp, seed=0)
-    params = [p for p in model.parameters() if p.requires_grad]
-    if args.optimizer == "adam":
-        optimizer = torch.optim.Adam(params, lr=1e-2, weight_decay=0.01)
-    else:
-        optimizer = torch.optim.SGD(params, lr=5e-2, momentum=0.9)
-    config = json.loads(args.config.read_text())
-    provider = TokenWindowProvider(tokens, cfg.seq_len, config["train_micro_batch_size_per_gpu"], seed=0)
-    engine, _, _, _ = ds_recycle.initialize(model=model, optimizer=optimizer, config=config, training_data=provider)
+    engine = build_engine(args.pp, args.optimizer, args.config)
     joined = time.time()
-    engine.forward_ledger = []
     losses: dict[int, float] = {}
     calls: list[dict] = []
     timing = {"process_start": PROCESS_START, "started": STARTED, "joined": joined, "joined_at": engine.global_steps}
@@ -192,7 +178,7 @@ def main() -> None:
             if len(calls) == 1 or calls[-2]["epoch"] != epoch:
                 calls[-1]["plan"] = vars(engine.plan_summary())
             save()
-            (args.out / f"progress{slot}").write_text(str(engine.global_steps))
+            report_progress(args.out, slot, engine.global_steps)
         record["finished"] = True
     finally:
         record.update(

@@ -48,18 +48,7 @@ def main() -> None:
         incarnation += GENERATION_STRIDE * generation
         args.trap = []
 
-    tokenizer, tokens = shipped_corpus_tokens()
-    cfg = GPTConfig(tokenizer.vocab_size, **MODEL)
-    model = build_gpt_pipeline(cfg, num_stages=args.pp, seed=0)
-    params = [p for p in model.parameters() if p.requires_grad]
-    if args.optimizer == "adam":
-        optimizer = torch.optim.Adam(params, lr=1e-2, weight_decay=0.01)
-    else:
-        optimizer = torch.optim.SGD(params, lr=5e-2, momentum=0.9)
-    config = json.loads(args.config.read_text())
-    provider = TokenWindowProvider(tokens, cfg.seq_len, config["train_micro_batch_size_per_gpu"], seed=0)
-    engine, _, _, _ = ds_recycle.initialize(model=model, optimizer=optimizer, config=config, training_data=provider)
-    engine.forward_ledger = []
+    engine = build_engine(args.pp, args.optimizer, args.config)
     for trap in args.trap:
         trap_slot, point, iteration = trap.split(":")
         if int(trap_slot) == slot and incarnation == 0:
@@ -77,7 +66,7 @@ def main() -> None:
                 {"ledger": list(engine.forward_ledger), "losses": dict(losses)},
                 args.out / f"ledger{slot}.{incarnation}.pt",
             )
-            (args.out / f"progress{slot}").write_text(str(engine.global_steps))
+            report_progress(args.out, slot, engine.global_steps)
         record["finished"] = True
     finally:
         record.update(
@@ -89,6 +78,31 @@ def main() -> None:
             global_steps=engine.global_steps,
         )
         save_atomically(record, args.out / f"{slot}.{incarnation}.pt")
+
+
+def build_engine(pp: int, optimizer_name: str, config_path: Path):
+    """The job of every membership test: the tiny GPT on the deterministic provider, SGD with
+    momentum or Adam, through ``ds_recycle.initialize``; the engine records its F ledger."""
+    tokenizer, tokens = shipped_corpus_tokens()
+    cfg = GPTConfig(tokenizer.vocab_size, **MODEL)
+    model = build_gpt_pipeline(cfg, num_stages=pp, seed=0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if optimizer_name == "adam":
+        optimizer = torch.optim.Adam(params, lr=1e-2, weight_decay=0.01)
+    else:
+        optimizer = torch.optim.SGD(params, lr=5e-2, momentum=0.9)
+    config = json.loads(config_path.read_text())
+    provider = TokenWindowProvider(tokens, cfg.seq_len, config["train_micro_batch_size_per_gpu"], seed=0)
+    engine, _, _, _ = ds_recycle.initialize(model=model, optimizer=optimizer, config=config, training_data=provider)
+    engine.forward_ledger = []
+    return engine
+
+
+def report_progress(out: Path, slot: int, finished: int) -> None:
+    """``out/progress<slot>``, replaced atomically: the test never reads a half-written number."""
+    partial = out / f"progress{slot}.partial"
+    partial.write_text(str(finished))
+    os.replace(partial, out / f"progress{slot}")
 
 
 GENERATION_STRIDE = 1000

@@ -141,9 +141,22 @@ class Job:
         return code
 
     def kill(self) -> None:
+        """Kill the launcher, then every rank it started: each rank has a session of its own, so
+        the launcher's process group does not hold them. A PID is killed only while its command
+        line still names this job's directory (it is ours, not a recycled PID)."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+        for line in list(self.lines):
+            match = STARTED.search(line)
+            if match is None:
+                continue
+            pid = int(match.group(2))
+            try:
+                if str(self.out) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                    os.kill(pid, signal.SIGKILL)
+            except (FileNotFoundError, ProcessLookupError, PermissionError):
+                pass
 
     def log_tail(self, chars: int = 8000) -> str:
         logs = "\n".join(self.lines[-60:])
