@@ -10,7 +10,16 @@ solve times, and the ablation's steady-state period / lower bound for
 at most ``--milp-max-ops`` F/B/W ops (3 D P m); above that the row says it was skipped. When the
 heuristic already meets the lower bound the MILP returns at once (gap 0).
 
-    python bench/planner.py [--quick] [--time-limit 5] [--milp-max-ops 400] [--no-milp]
+A second grid runs the planner on the simulator's realistic costs (:func:`preset_grid`): GPT-3
+1.3B, 6.7B and 13B split over P stages by ``ds_recycle.sim.cost_model.stage_costs`` (per-stage F, B
+and W in ms with B larger than F and W smaller than B, the LM head on the last stage, the p2p
+latency of the activations, the DP all-reduce and optimizer step), and the memory cap the
+simulator's ReCycle plans under (micro-batches that fit in the GPU next to the parameter state,
+at most ``2P``). Per case: the lower bound, which of its three bounds binds, the heuristic's
+iteration time and ratio, and the MILP's where small enough; the summary gives the geometric mean
+and the worst ratio against the goals of issue 8 item 6 (at most 1.02 and 1.10).
+
+    python bench/planner.py [--quick] [--grid all|uniform|presets] [--time-limit 5] [--milp-max-ops 400] [--no-milp]
 """
 
 from __future__ import annotations
@@ -26,10 +35,13 @@ from dataclasses import dataclass, field
 from ds_recycle.planner.cache import PlanCache
 from ds_recycle.planner.heuristic import plan_heuristic
 from ds_recycle.planner.list_scheduler import ScheduleOptions
-from ds_recycle.planner.lower_bound import lower_bound
+from ds_recycle.planner.lower_bound import BoundParts, lower_bound, lower_bound_parts
 from ds_recycle.planner.milp import available_solver, plan_milp
 from ds_recycle.planner.plan import CostModel, Plan, Worker
 from ds_recycle.planner.validator import validate
+from ds_recycle.sim.cost_model import stage_costs
+from ds_recycle.sim.presets import PRESETS
+from ds_recycle.sim.recycle import RecycleParams
 from ds_recycle.sim.simulator import simulate
 
 ABLATION = (
@@ -157,18 +169,172 @@ def cache_hit_seconds(repeats: int = 200) -> tuple[float, float, float, float]:
     return statistics.median(same), statistics.median(relabelled), statistics.median(first), max(first)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a few small topologies only")
-    parser.add_argument("--time-limit", type=float, default=5.0, help="MILP time limit per case (s)")
-    parser.add_argument("--milp-max-ops", type=int, default=400, help="skip the MILP above this many F/B/W ops")
-    parser.add_argument("--no-milp", action="store_true")
-    parser.add_argument(
-        "--ablation-step", type=float, default=1.0, help="duration of S (all-reduce + optimizer) in the ablation"
-    )
-    args = parser.parse_args(argv)
+# ----- the grid on realistic (preset) costs ------------------------------------------------------
 
-    began = time.perf_counter()
+PRESET_MODELS = ("1.3B", "6.7B", "13B")
+PRESET_TOPOLOGIES = ((2, 4, 8), (4, 4, 8), (4, 4, 16), (4, 8, 16), (8, 4, 16), (8, 8, 16), (8, 8, 32))
+GOAL_GEOMEAN, GOAL_WORST = 1.02, 1.10
+"""Issue 8 item 6: over the preset grid, best ratio to the lower bound at most 1.02 in geometric
+mean and 1.10 at worst."""
+
+
+@dataclass
+class PresetRow:
+    model: str
+    D: int
+    P: int
+    m: int
+    memory_cap: int
+    case: str
+    failed: tuple[Worker, ...]
+    bound: BoundParts
+    heuristic: Plan
+    milp: Plan | None
+    milp_note: str
+
+    @property
+    def best_ratio(self) -> float:
+        return min([self.heuristic.ratio] + ([self.milp.ratio] if self.milp is not None else []))
+
+    def where(self) -> str:
+        return f"{self.model} D={self.D} P={self.P} m={self.m} {self.case} failed {list(self.failed)}"
+
+
+def preset_failure_cases(D: int, P: int) -> list[tuple[str, tuple[Worker, ...]]]:
+    """(label, failed): no failure; one failure in the middle stage; max(2, D-1) failures spread
+    (failure j at pipeline j mod D, stage j mod P, the simulator's ``spread`` placement); D-1
+    failures in the last stage (the LM head's, the heaviest); the first and the last stage."""
+    spread = sorted({(j % D, j % P) for j in range(max(2, D - 1))})
+    return [
+        ("none", ()),
+        ("one", ((0, P // 2),)),
+        ("spread", tuple(spread)),
+        ("stage", tuple((p, P - 1) for p in range(D - 1))),
+        ("ends", ((0, 0), (D - 1, P - 1))),
+    ]
+
+
+def preset_grid(quick: bool) -> list[tuple[str, int, int, int]]:
+    if quick:
+        return [(model, D, 4, 8) for model in ("1.3B", "13B") for D in (2, 4)]
+    return [(model, D, P, m) for model in PRESET_MODELS for D, P, m in PRESET_TOPOLOGIES]
+
+
+def preset_costs(model: str, D: int, P: int) -> tuple[CostModel, int]:
+    """The planner's inputs as the simulator's ReCycle gets them: costs in ms and the memory cap."""
+    layout = stage_costs(PRESETS[model], P, D)
+    cap = max(1, min(layout.memory_cap, int(RecycleParams().cap_factor * P)))
+    return layout.costs, cap
+
+
+def run_preset_case(
+    model: str, D: int, P: int, m: int, case: str, failed: tuple[Worker, ...], args: argparse.Namespace
+) -> PresetRow:
+    costs, cap = preset_costs(model, D, P)
+    heuristic = plan_heuristic(D, P, m, failed, costs, cap)
+    validate(heuristic)
+    bound = lower_bound_parts(D, P, m, failed, costs, cap)
+    milp, note = None, ""
+    ops = 3 * D * P * m
+    if args.no_milp:
+        note = "skipped (--no-milp)"
+    elif ops > args.milp_max_ops:
+        note = f"skipped ({ops} ops > --milp-max-ops {args.milp_max_ops})"
+    else:
+        milp = plan_milp(D, P, m, failed, costs, cap, time_limit=args.time_limit, warm_start=heuristic)
+        validate(milp)
+        if milp.iteration_time > heuristic.iteration_time + 1e-9:
+            raise AssertionError(f"MILP worse than its warm start on {model} D={D} P={P} m={m} failed={failed}")
+    return PresetRow(model, D, P, m, cap, case, failed, bound, heuristic, milp, note)
+
+
+PRESET_HEADER = (
+    f"{'model':<5} {'D':>2} {'P':>2} {'m':>3} {'cap':>3} {'case':<6} {'failed (p:s)':<24} {'LB ms':>8} {'by':<5} "
+    f"{'heur ms':>8} {'ratio':>6} {'time':>7}  {'milp':>6} {'time':>7} {'gap':>6}  {'best':>6}"
+)
+
+
+def format_preset_row(row: PresetRow) -> str:
+    failed = " ".join(f"{p}:{s}" for p, s in row.failed) or "-"
+    h = row.heuristic
+    if row.milp is not None:
+        gap = f"{100 * row.milp.gap:5.1f}%" if row.milp.gap is not None else "   n/a"
+        milp = f"{row.milp.ratio:6.3f} {row.milp.solve_seconds:6.2f}s {gap}"
+    else:
+        milp = f"{'-':>6} {'-':>7} {'-':>6}"
+    by = {"work": "work", "drain": "drain", "round_trip": "trip"}[row.bound.binding]
+    return (
+        f"{row.model:<5} {row.D:>2} {row.P:>2} {row.m:>3} {row.memory_cap:>3} {row.case:<6} {failed:<24} "
+        f"{row.bound.value:8.1f} {by:<5} {h.iteration_time:8.1f} {h.ratio:6.3f} {h.solve_seconds:6.3f}s  {milp}  "
+        f"{row.best_ratio:6.3f}"
+    )
+
+
+def run_preset_grid(args: argparse.Namespace) -> list[PresetRow]:
+    print()
+    print("== planner on preset costs (ds_recycle.sim: GPT-3 per-stage F/B/W ms, p2p latency, step, memory cap) ==")
+    print(PRESET_HEADER)
+    print(
+        "LB: lower bound (ms), by: the bound that gives it (work = bound 1, drain = bound 2, trip = bound 3 "
+        "of planner/lower_bound.py);"
+    )
+    print(
+        "ratio/milp/best: iteration time / LB (MILP where 3 D P m <= --milp-max-ops); "
+        "cap: micro-batches a worker may hold (memory, at most 2P)"
+    )
+    rows: list[PresetRow] = []
+    for model, D, P, m in preset_grid(args.quick):
+        for case, failed in preset_failure_cases(D, P):
+            row = run_preset_case(model, D, P, m, case, failed, args)
+            rows.append(row)
+            print(format_preset_row(row), flush=True)
+    return rows
+
+
+def summarize_preset_grid(rows: list[PresetRow], args: argparse.Namespace) -> None:
+    best = [r.best_ratio for r in rows]
+    heur = [r.heuristic.ratio for r in rows]
+    worst = max(rows, key=lambda r: r.best_ratio)
+    worst_heur = max(rows, key=lambda r: r.heuristic.ratio)
+    milp_rows = [r for r in rows if r.milp is not None]
+    improved = [r for r in milp_rows if r.milp.iteration_time < r.heuristic.iteration_time - 1e-9]
+    with_failures = [r.heuristic.ratio for r in rows if r.failed]
+    trip = [r for r in rows if r.bound.binding == "round_trip"]
+    raised = [r.bound.round_trip / max(r.bound.work, r.bound.drain) for r in trip]
+    print()
+    print("== summary (preset costs) ==")
+    print(
+        f"cases: {len(rows)} ({', '.join(sorted({r.model for r in rows}, key=PRESET_MODELS.index))}); "
+        f"MILP run on {len(milp_rows)} ({available_solver()}, time limit {args.time_limit:g} s), "
+        f"improved {len(improved)}"
+    )
+    print(
+        f"best of heuristic and MILP: geometric mean ratio {geomean(best):.4f}, worst {max(best):.4f} ({worst.where()})"
+    )
+    print(
+        f"heuristic alone:            geometric mean ratio {geomean(heur):.4f}, worst {max(heur):.4f} "
+        f"({worst_heur.where()})"
+    )
+    print(
+        f"heuristic, the {len(with_failures)} cases with failures: geometric mean ratio {geomean(with_failures):.4f}, "
+        f"worst {max(with_failures, default=float('nan')):.4f}"
+    )
+    if trip:
+        print(
+            f"bound 3 (last round trip under the memory cap) binds on {len(trip)} cases and raises the bound "
+            f"by up to {100 * (max(raised) - 1):.2f}% over bounds 1 and 2"
+        )
+    else:
+        print("bound 3 (last round trip under the memory cap) binds on no case")
+    ok_mean, ok_worst = geomean(best) <= GOAL_GEOMEAN, max(best) <= GOAL_WORST
+    print(
+        f"goals (issue 8 item 6): geometric mean <= {GOAL_GEOMEAN}: {'met' if ok_mean else 'NOT met'}; "
+        f"worst <= {GOAL_WORST}: {'met' if ok_worst else 'NOT met'}"
+    )
+
+
+def run_uniform_grid(args: argparse.Namespace) -> None:
+    """The grid on unit costs, its summary, the cache hits and the ablation."""
     print(HEADER)
     print("heur/milp: iteration time / lower bound (unit F=B=W costs, no step cost);")
     print(f"abl-*: steady-state period / lower bound with unit F=B=W and step {args.ablation_step:g}, for")
@@ -229,6 +395,30 @@ def main(argv: list[str] | None = None) -> int:
     for i, (name, _options) in enumerate(ABLATION[1:], start=1):
         speedup = geomean([b / r.ablation[i][1] for b, r in zip(base, rows, strict=True)])
         print(f"steady-state speed-up of '{name}' over re-routing alone: {speedup:.4f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a few small topologies only")
+    parser.add_argument("--time-limit", type=float, default=5.0, help="MILP time limit per case (s)")
+    parser.add_argument("--milp-max-ops", type=int, default=400, help="skip the MILP above this many F/B/W ops")
+    parser.add_argument("--no-milp", action="store_true")
+    parser.add_argument(
+        "--ablation-step", type=float, default=1.0, help="duration of S (all-reduce + optimizer) in the ablation"
+    )
+    parser.add_argument(
+        "--grid",
+        choices=("all", "uniform", "presets"),
+        default="all",
+        help="uniform costs (with the cache and ablation figures), preset costs, or both (default)",
+    )
+    args = parser.parse_args(argv)
+
+    began = time.perf_counter()
+    if args.grid in ("all", "uniform"):
+        run_uniform_grid(args)
+    if args.grid in ("all", "presets"):
+        summarize_preset_grid(run_preset_grid(args), args)
     print(f"bench wall time {time.perf_counter() - began:.1f} s")
     return 0
 

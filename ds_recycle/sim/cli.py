@@ -1,4 +1,4 @@
-"""``ds-recycle simulate``: ReCycle against Oobleck, Bamboo and checkpoint-restart (docs/simulate.md).
+"""``ds-recycle simulate``: ReCycle against Oobleck, Bamboo and checkpoint-restart (docs/simulator.md).
 
 ::
 
@@ -31,7 +31,7 @@ class SimulateUsageError(Exception):
     """A bad argument of ``ds-recycle simulate``: the message names it and the allowed values."""
 
 
-# Limits: keep every accepted run bounded (minutes at most on a laptop); docs/simulate.md.
+# Limits: keep every accepted run bounded (minutes at most on a laptop); docs/simulator.md.
 MAX_SWEEP_PIPELINES = 64
 MAX_STAGES = 128
 MAX_MICROBATCHES = 4096

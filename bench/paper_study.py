@@ -1,6 +1,6 @@
 """The paper study (issue 8): ReCycle vs Oobleck, Bamboo and checkpoint-restart, three experiments.
 
-    .venv/bin/python bench/simulate_paper_study.py [--quick]
+    .venv/bin/python bench/paper_study.py [--quick]
 
 E1 concurrent-failure sweep, E2 replay of every shipped trace, E3 production-scale Poisson, then a
 sensitivity line per main parameter. Prints the tables and the maximum ratios with their settings.
