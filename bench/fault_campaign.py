@@ -1,6 +1,6 @@
 """Randomized fault campaign: ReCycle under kills, hangs and leaves with re-joins, in real
 ``ds-recycle launch --respawn`` jobs of pp=3 x dp=3 (the tests' tiny GPT, m=4, gradient clipping,
-F=B=W=8 ms emulated, ``--heartbeat-min-timeout 3``).
+F=B=W=8 ms emulated, ``--heartbeat-min-timeout 1``).
 
 A seeded schedule of faults is split over a few launches (``--jobs``), so that each stays short.
 Each fault picks
@@ -39,7 +39,7 @@ Latencies (wall clock of this host; "every survivor" is the last one to get ther
   fault-free plan.
 
     flock /tmp/cpu.lock .venv/bin/python bench/fault_campaign.py [--faults 30] [--jobs 3] [--seed 0]
-        [--optimizer sgd|adam|alternate] [--hang-timeout 3] [--json out.json] [--keep DIR]
+        [--optimizer sgd|adam|alternate] [--hang-timeout 1] [--json out.json] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -82,8 +82,9 @@ from recycle_job import (  # noqa: E402
 
 WORKER = HERE / "failure_worker.py"
 PP, DP = 3, 3
-HANG_TIMEOUT = 3.0
-"""--heartbeat-min-timeout (default of --hang-timeout): a SIGSTOPped rank is declared failed after about 3 s."""
+HANG_TIMEOUT = 1.0
+"""--heartbeat-min-timeout (default of --hang-timeout): a SIGSTOPped rank is declared failed after
+about 1 s (the launcher's default is 10 s; 30/30 faults survived at 1 s on 2 cores with no false hang)."""
 SIGNALS = {"SIGKILL": 6, "SIGSTOP": 2, "SIGTERM": 2}
 """Relative frequency of each signal in the schedule."""
 PAIR_PROBABILITY = 0.25
@@ -533,7 +534,7 @@ def report(schedule: list[Fault], results: list[JobResult], args: argparse.Names
 
     survived = sum(row.survived for row in rows)
     worst = max((r.worst_difference for r in results if not math.isnan(r.worst_difference)), default=math.nan)
-    kill, hang = values("new_plan_s", "SIGKILL"), values("published_to_plan_s", "SIGSTOP")
+    kill, hang = values("new_plan_s", "SIGKILL"), values("new_plan_s", "SIGSTOP")
     ran = [row for row in rows if row.in_flight >= 0]
     finished = [r for r in results if r.exit_code == 0]
     lost_ok = all(row.lost_ok for row in ran) and all(r.ledger_exact for r in finished)
@@ -541,7 +542,7 @@ def report(schedule: list[Fault], results: list[JobResult], args: argparse.Names
         "100% survived": survived == len(schedule),
         f"SIGKILL to running on the new plan, median <= {KILL_GOAL_S:g} s": bool(kill)
         and statistics.median(kill) <= KILL_GOAL_S,
-        f"SIGSTOP (from the hang's detection) to running on the new plan, median <= {HANG_GOAL_S:g} s": bool(hang)
+        f"SIGSTOP to running on the new plan, median <= {HANG_GOAL_S:g} s": bool(hang)
         and statistics.median(hang) <= HANG_GOAL_S,
         "lost work at most the in-flight iteration": lost_ok,
     }
@@ -559,8 +560,8 @@ def report(schedule: list[Fault], results: list[JobResult], args: argparse.Names
     )
     print(f"SIGKILL to running on the new plan: {spread(kill)}")
     print(
-        f"SIGSTOP to running on the new plan: {spread(values('new_plan_s', 'SIGSTOP'), 's')}; "
-        f"from the hang's detection: {spread(hang)}"
+        f"SIGSTOP to running on the new plan: {spread(hang, 's')}; "
+        f"from the hang's detection: {spread(values('published_to_plan_s', 'SIGSTOP'))}"
     )
     print(f"SIGTERM (leave) to running on the new plan: {spread(values('new_plan_s', 'SIGTERM'))}")
     print(
