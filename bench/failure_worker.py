@@ -4,7 +4,7 @@ It runs the tiny GPT of tests/runtime/membership_worker.py (same model, optimize
 records, so the tests' fault-free comparisons apply) and adds what the benchmarks need, all driven
 by files in ``--out`` so that one script serves both:
 
-- ``ledger<slot>.<incarnation>.pt`` after every iteration (what a SIGKILLed process leaves behind;
+- ``ledger<slot>.<incarnation>.pt`` after every iteration and every F (what a SIGKILLed process leaves behind;
   recycle_job.Job.killed reads it): the F ledger and the losses as in the test worker, plus for
   every ``train_batch`` call its start and end wall time, the iterations finished, the epoch and
   the plan summary, the membership changes this process saw and when it started and joined.
@@ -60,6 +60,21 @@ from ds_recycle.runtime.distributed import membership_agent  # noqa: E402
 
 POINTS = ("F", "B", "W", "allreduce", "stepped", "recovery")
 PARK_SECONDS = 120.0
+
+
+class SavedLedger(list):
+    """The F ledger, saved again after every entry. A rank killed or hung at a random moment may
+    have done all its work of an iteration that the survivors then commit, before its end-of-iteration
+    save: its F entries must still be on disk (entries of iterations the recovery re-ran are voided
+    by the checker)."""
+
+    def __init__(self, save) -> None:
+        super().__init__()
+        self.save = save
+
+    def append(self, entry) -> None:
+        super().append(entry)
+        self.save()
 
 
 class Traps:
@@ -161,6 +176,7 @@ def main() -> None:
     def save() -> None:
         save_atomically(snapshot(), args.out / f"ledger{slot}.{incarnation}.pt")
 
+    engine.forward_ledger = SavedLedger(save)
     traps = Traps(engine, args.out, slot, save)
     record = {"slot": slot, "incarnation": incarnation, "worker": engine.worker}
     try:
