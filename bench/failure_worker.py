@@ -45,16 +45,13 @@ wait_at_gate()
 STARTED = time.time()
 """After the gate: when this process started to build its engine."""
 
-import argparse  # noqa: E402
 from types import MethodType  # noqa: E402
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "runtime"))
 
-import torch  # noqa: E402
-from membership_worker import build_engine, report_progress, save_atomically, wait_while_held  # noqa: E402
+from membership_worker import build_engine, report_progress, save_atomically, start_rank, wait_while_held  # noqa: E402
 
-import ds_recycle  # noqa: E402
 from ds_recycle.instructions.routed import BackwardInput, BackwardWeight, ForwardPass, StaggeredStep  # noqa: E402
 from ds_recycle.runtime.distributed import membership_agent  # noqa: E402
 
@@ -146,17 +143,7 @@ def changes(engine) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--pp", type=int, required=True)
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
-    parser.add_argument("--config", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--trap", action="append", default=[], help="not used: traps come from files")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    ds_recycle.init_distributed()
-    slot, incarnation = int(os.environ["RANK"]), int(os.environ.get("DS_RECYCLE_INCARNATION", "0"))
+    args, slot, incarnation = start_rank("not used: traps come from files")
 
     engine = build_engine(args.pp, args.optimizer, args.config)
     joined = time.time()

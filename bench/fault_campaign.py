@@ -14,7 +14,7 @@ Each fault picks
   random fraction of an iteration of wall clock after a boundary.
 
 A fault lands two iterations after the previous one's re-join. The survivors run a few iterations
-on the adapted plan (held at a boundary by the tests' pacing, ``recycle_job.rejoin``), the
+on the adapted plan (held at a boundary by the tests' pacing, ``recycle_job.hold_degraded`` and ``rejoin``), the
 launcher's respawn re-joins from a live replica, and the job goes on. The rank script is
 ``bench/failure_worker.py``: traps are read from files at every boundary, in any incarnation, and
 every process records its membership changes (with the engine's detection and recovery times)
@@ -58,14 +58,13 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[0] / "tests" / "runtime"))
 
-import recycle_job  # noqa: E402
 from recycle_job import (  # noqa: E402
     DEGRADED_ITERATIONS,
     Job,
@@ -77,7 +76,9 @@ from recycle_job import (  # noqa: E402
     job_config,
     killed_ledgers,
     rejoin,
+    run_fault_free,
     slot,
+    worst_parameter_difference,
 )
 
 WORKER = HERE / "failure_worker.py"
@@ -279,14 +280,11 @@ def inject(job: Job, fault: Fault) -> None:
 
 
 def run_reference(workdir: Path, optimizer: str, steps: int, timeout: float) -> dict[int, dict]:
-    """The final state of every slot in a fault-free run of the job (recycle_job.fault_free without pytest)."""
-    job = Job(
-        workdir / f"fault_free_{optimizer}", PP, DP, steps, job_config(), optimizer, False, timeout, worker=WORKER
-    )
-    code = job.start().finish()
-    if code != 0:
-        raise SystemExit(f"the fault-free {optimizer} run exited {code}\n{job.log_tail()}")
-    return final_states(job.records())
+    """The final state of every slot in a fault-free run of the job."""
+    try:
+        return run_fault_free(workdir / f"fault_free_{optimizer}", PP, DP, steps, optimizer, WORKER, timeout)
+    except AssertionError as exc:
+        raise SystemExit(f"the fault-free {optimizer} run failed:\n{exc}") from None
 
 
 def run_job(
@@ -338,12 +336,7 @@ def check_job(job: Job, result: JobResult, reference: dict, steps: int) -> None:
     records, killed = job.records(), job.killed()
     finished = final_states(records)
     if finished:
-        result.worst_difference = max(
-            (record["params"][name] - value).abs().max().item()
-            for s, record in finished.items()
-            if s in reference
-            for name, value in reference[s]["params"].items()
-        )
+        result.worst_difference = worst_parameter_difference(finished, reference)
     if result.error or result.exit_code != 0:
         return
     try:
@@ -353,8 +346,8 @@ def check_job(job: Job, result: JobResult, reference: dict, steps: int) -> None:
     except AssertionError:
         pass
     try:
-        with contextlib.redirect_stdout(io.StringIO()), tolerance(TOLERANCE, TOLERANCE):
-            assert_final_states(job, reference, steps)
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert_final_states(job, reference, steps, rtol=TOLERANCE, atol=TOLERANCE)
         result.states_equal = True
     except AssertionError as exc:
         result.error = f"states differ from the fault-free run: {' '.join(str(exc).split())[:300]}"
@@ -365,17 +358,6 @@ def check_job(job: Job, result: JobResult, reference: dict, steps: int) -> None:
         result.ledger_exact = True
     except (AssertionError, KeyError, IndexError) as exc:
         result.error = result.error or f"F ledger not exact: {type(exc).__name__}: {str(exc).splitlines()[0]}"
-
-
-@contextlib.contextmanager
-def tolerance(rtol: float, atol: float) -> Iterator[None]:
-    """Run recycle_job.assert_final_states with other tolerances (it reads the module's RTOL, ATOL)."""
-    saved = recycle_job.RTOL, recycle_job.ATOL
-    recycle_job.RTOL, recycle_job.ATOL = rtol, atol
-    try:
-        yield
-    finally:
-        recycle_job.RTOL, recycle_job.ATOL = saved
 
 
 # ---- measurements -----------------------------------------------------------------------------------

@@ -91,20 +91,34 @@ def topologies(quick: bool) -> list[tuple[int, int, int]]:
     return [(D, P, m) for D in (2, 3, 4, 8) for P in (4, 8) for m in (P, 2 * P, 4 * P)]
 
 
-def run_case(D: int, P: int, m: int, failed: tuple[Worker, ...], args: argparse.Namespace) -> Row:
-    heuristic = plan_heuristic(D, P, m, failed)
+def plan_case(
+    D: int,
+    P: int,
+    m: int,
+    failed: tuple[Worker, ...],
+    args: argparse.Namespace,
+    costs: CostModel | None = None,
+    cap: int | None = None,
+    where: str = "",
+) -> tuple[Plan, Plan | None, str]:
+    """The heuristic's plan, and the MILP's warm-started from it where ``args`` allow (else a note
+    saying why not); both validated, and the MILP never worse than its warm start."""
+    heuristic = plan_heuristic(D, P, m, failed, costs, cap)
     validate(heuristic)
-    milp, note = None, ""
     ops = 3 * D * P * m
     if args.no_milp:
-        note = "skipped (--no-milp)"
-    elif ops > args.milp_max_ops:
-        note = f"skipped ({ops} ops > --milp-max-ops {args.milp_max_ops})"
-    else:
-        milp = plan_milp(D, P, m, failed, time_limit=args.time_limit, warm_start=heuristic)
-        validate(milp)
-        if milp.iteration_time > heuristic.iteration_time + 1e-9:
-            raise AssertionError(f"MILP worse than its warm start on D={D} P={P} m={m} failed={failed}")
+        return heuristic, None, "skipped (--no-milp)"
+    if ops > args.milp_max_ops:
+        return heuristic, None, f"skipped ({ops} ops > --milp-max-ops {args.milp_max_ops})"
+    milp = plan_milp(D, P, m, failed, costs, cap, time_limit=args.time_limit, warm_start=heuristic)
+    validate(milp)
+    if milp.iteration_time > heuristic.iteration_time + 1e-9:
+        raise AssertionError(f"MILP worse than its warm start on {where}D={D} P={P} m={m} failed={failed}")
+    return heuristic, milp, ""
+
+
+def run_case(D: int, P: int, m: int, failed: tuple[Worker, ...], args: argparse.Namespace) -> Row:
+    heuristic, milp, note = plan_case(D, P, m, failed, args)
     row = Row(D, P, m, failed, heuristic.lower_bound, heuristic, milp, note)
     costs = CostModel.uniform(P, step=args.ablation_step)
     bound = lower_bound(D, P, m, failed, costs)
@@ -116,14 +130,20 @@ def run_case(D: int, P: int, m: int, failed: tuple[Worker, ...], args: argparse.
     return row
 
 
+def failed_cell(failed: tuple[Worker, ...]) -> str:
+    return " ".join(f"{p}:{s}" for p, s in failed) or "-"
+
+
+def milp_cells(milp: Plan | None) -> str:
+    """Ratio, solve time and gap of the MILP's plan, or dashes where it was not run."""
+    if milp is None:
+        return f"{'-':>6} {'-':>7} {'-':>6}"
+    gap = f"{100 * milp.gap:5.1f}%" if milp.gap is not None else "   n/a"
+    return f"{milp.ratio:6.3f} {milp.solve_seconds:6.2f}s {gap}"
+
+
 def format_row(row: Row) -> str:
-    failed = " ".join(f"{p}:{s}" for p, s in row.failed) or "-"
-    h = row.heuristic
-    if row.milp is not None:
-        gap = f"{100 * row.milp.gap:5.1f}%" if row.milp.gap is not None else "   n/a"
-        milp = f"{row.milp.ratio:6.3f} {row.milp.solve_seconds:6.2f}s {gap}"
-    else:
-        milp = f"{'-':>6} {'-':>7} {'-':>6}"
+    failed, h, milp = failed_cell(row.failed), row.heuristic, milp_cells(row.milp)
     abl = " ".join(f"{period:5.3f}" for _it, period in row.ablation)
     line = (
         f"{row.D:>2} {row.P:>2} {row.m:>3} {failed:<24} {row.lower_bound:7.1f} "
@@ -231,20 +251,8 @@ def run_preset_case(
     model: str, D: int, P: int, m: int, case: str, failed: tuple[Worker, ...], args: argparse.Namespace
 ) -> PresetRow:
     costs, cap = preset_costs(model, D, P)
-    heuristic = plan_heuristic(D, P, m, failed, costs, cap)
-    validate(heuristic)
+    heuristic, milp, note = plan_case(D, P, m, failed, args, costs, cap, where=f"{model} ")
     bound = lower_bound_parts(D, P, m, failed, costs, cap)
-    milp, note = None, ""
-    ops = 3 * D * P * m
-    if args.no_milp:
-        note = "skipped (--no-milp)"
-    elif ops > args.milp_max_ops:
-        note = f"skipped ({ops} ops > --milp-max-ops {args.milp_max_ops})"
-    else:
-        milp = plan_milp(D, P, m, failed, costs, cap, time_limit=args.time_limit, warm_start=heuristic)
-        validate(milp)
-        if milp.iteration_time > heuristic.iteration_time + 1e-9:
-            raise AssertionError(f"MILP worse than its warm start on {model} D={D} P={P} m={m} failed={failed}")
     return PresetRow(model, D, P, m, cap, case, failed, bound, heuristic, milp, note)
 
 
@@ -255,13 +263,7 @@ PRESET_HEADER = (
 
 
 def format_preset_row(row: PresetRow) -> str:
-    failed = " ".join(f"{p}:{s}" for p, s in row.failed) or "-"
-    h = row.heuristic
-    if row.milp is not None:
-        gap = f"{100 * row.milp.gap:5.1f}%" if row.milp.gap is not None else "   n/a"
-        milp = f"{row.milp.ratio:6.3f} {row.milp.solve_seconds:6.2f}s {gap}"
-    else:
-        milp = f"{'-':>6} {'-':>7} {'-':>6}"
+    failed, h, milp = failed_cell(row.failed), row.heuristic, milp_cells(row.milp)
     by = {"work": "work", "drain": "drain", "round_trip": "trip"}[row.bound.binding]
     return (
         f"{row.model:<5} {row.D:>2} {row.P:>2} {row.m:>3} {row.memory_cap:>3} {row.case:<6} {failed:<24} "

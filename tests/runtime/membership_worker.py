@@ -30,19 +30,7 @@ MODEL = dict(seq_len=16, d_model=32, n_heads=4, n_layers=2)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--pp", type=int, required=True)
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
-    parser.add_argument("--config", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument(
-        "--trap", action="append", default=[], metavar="SLOT:POINT:ITERATION", help=f"park at POINT, one of {POINTS}"
-    )
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    ds_recycle.init_distributed()
-    slot, incarnation = int(os.environ["RANK"]), int(os.environ.get("DS_RECYCLE_INCARNATION", "0"))
+    args, slot, incarnation = start_rank(f"SLOT:POINT:ITERATION: park at POINT, one of {POINTS}")
     generation = int(os.environ.get("DS_RECYCLE_GENERATION", "0"))
     if generation:  # a restart of every rank from the checkpoint: files of its own, traps done
         incarnation += GENERATION_STRIDE * generation
@@ -78,6 +66,22 @@ def main() -> None:
             global_steps=engine.global_steps,
         )
         save_atomically(record, args.out / f"{slot}.{incarnation}.pt")
+
+
+def start_rank(trap_help: str) -> tuple[argparse.Namespace, int, int]:
+    """Parse the rank script's command line (recycle_job.Job builds it), join the job's process
+    group on one torch thread; returns the arguments, this rank's slot and its incarnation."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pp", type=int, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
+    parser.add_argument("--config", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--trap", action="append", default=[], help=trap_help)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    ds_recycle.init_distributed()
+    return args, int(os.environ["RANK"]), int(os.environ.get("DS_RECYCLE_INCARNATION", "0"))
 
 
 def build_engine(pp: int, optimizer_name: str, config_path: Path):

@@ -211,11 +211,18 @@ def fault_free(tmp_path_factory, pp: int, dp: int, steps: int, optimizer: str) -
     key = (pp, dp, steps, optimizer)
     if key not in _fault_free:
         tmp = tmp_path_factory.mktemp(f"fault_free_pp{pp}dp{dp}_{optimizer}")
-        job = Job(tmp, pp, dp, steps, job_config(), optimizer, respawn=False)
-        code = job.start().finish()
-        assert code == 0, job.log_tail()
-        _fault_free[key] = final_states(job.records())
+        _fault_free[key] = run_fault_free(tmp, pp, dp, steps, optimizer)
     return _fault_free[key]
+
+
+def run_fault_free(
+    tmp: Path, pp: int, dp: int, steps: int, optimizer: str, worker: Path = WORKER, timeout: float = 240.0
+) -> dict[int, dict]:
+    """Run the job without a failure in ``tmp``; the final state of every slot."""
+    job = Job(tmp, pp, dp, steps, job_config(), optimizer, respawn=False, timeout=timeout, worker=worker)
+    code = job.start().finish()
+    assert code == 0, job.log_tail()
+    return final_states(job.records())
 
 
 def hold_degraded(job: Job, iteration: int) -> None:
@@ -226,9 +233,8 @@ def hold_degraded(job: Job, iteration: int) -> None:
 
 
 def rejoin(job: Job, slots: list[int], iteration: int, joins: dict[int, int]) -> None:
-    """Hold the survivors a few iterations after ``iteration`` until the respawns of ``slots`` are
+    """After :func:`hold_degraded` at ``iteration``: wait until the respawns of ``slots`` are
     accepted (``joins``: accepted joins per slot before), then let everyone train."""
-    hold_degraded(job, iteration)
     for s in slots:
         job.wait_for_line(rf"accepted join of slot {s} ", joins[s] + 1, timeout=180)
     job.hold(None)
@@ -247,32 +253,40 @@ def assert_same_as_fault_free(job: Job, reference: dict[int, dict], steps: int) 
     assert_ledger_exact(ledgers, job.pp, job.dp, M, steps)
 
 
-def assert_final_states(job: Job, reference: dict[int, dict], steps: int) -> list[dict]:
+def worst_parameter_difference(finished: dict[int, dict], reference: dict[int, dict]) -> float:
+    """Largest |parameter - fault-free parameter| over the finishing slots the reference has."""
+    return max(
+        (record["params"][name] - value).abs().max().item()
+        for s, record in finished.items()
+        if s in reference
+        for name, value in reference[s]["params"].items()
+    )
+
+
+def assert_final_states(
+    job: Job, reference: dict[int, dict], steps: int, rtol: float = RTOL, atol: float = ATOL
+) -> list[dict]:
     """Every parameter and optimizer state of every finishing slot, and every loss any process
-    reported, equal the fault-free run; returns the records."""
+    reported, equal the fault-free run (``rtol``, ``atol``); returns the records."""
     records = job.records()
     finished = final_states(records)
     assert sorted(finished) == sorted(reference), f"finished slots {sorted(finished)}"
-    worst = max(
-        (record["params"][name] - value).abs().max().item()
-        for s, record in finished.items()
-        for name, value in reference[s]["params"].items()
-    )
+    worst = worst_parameter_difference(finished, reference)
     print(f"max |parameter - fault-free parameter| over {len(finished)} workers: {worst:.3g}")
     reference_losses = next(iter(reference.values()))["losses"]
     for s, record in finished.items():
         want = reference[s]
         assert record["global_steps"] == steps
         for name, value in want["params"].items():
-            torch.testing.assert_close(record["params"][name], value, rtol=RTOL, atol=ATOL, msg=f"slot {s} {name}")
+            torch.testing.assert_close(record["params"][name], value, rtol=rtol, atol=atol, msg=f"slot {s} {name}")
         for index, state in want["optimizer"]["state"].items():
             for key, value in state.items():
                 got = record["optimizer"]["state"][index][key]
-                torch.testing.assert_close(got, value, rtol=RTOL, atol=ATOL, msg=f"slot {s} optimizer {index}.{key}")
+                torch.testing.assert_close(got, value, rtol=rtol, atol=atol, msg=f"slot {s} optimizer {index}.{key}")
     for record in records:
         for iteration, loss in record["losses"].items():
             want = reference_losses[iteration]
-            assert loss == pytest.approx(want, rel=RTOL), f"slot {record['slot']} it {iteration}"
+            assert loss == pytest.approx(want, rel=rtol), f"slot {record['slot']} it {iteration}"
     return records
 
 
