@@ -162,6 +162,8 @@ class RecyclePipelineEngine(PipelineEngine):
             previous = Membership.from_json(self.agent.store.get(f"epoch/{membership.epoch - 1}"))
             try:
                 self._enter_epoch(membership, previous.members)
+                if self.agent.created_by_recovery(membership):
+                    self.stepper.resync_tied_weights()  # with the survivors, who re-sync after a rollback
                 break
             except EpochSuperseded:
                 # A failure among the members while this process waited: join the epoch they formed.

@@ -249,6 +249,12 @@ class MembershipAgent:
                     return decision
         raise MembershipError(f"no decision created epoch {membership.epoch}")
 
+    def created_by_recovery(self, membership: Membership) -> bool:
+        """Whether ``membership`` was decided by the survivors of a failure (who roll back and
+        re-sync tied weights on entering it), not at an iteration boundary."""
+        key = f"recovery/{membership.epoch - 1}"
+        return self.store.check([key]) and Decision.from_json(self.store.get(key)).next == membership
+
     def _read_current(self) -> Membership:
         epoch = int(self.store.get(proto.CURRENT_EPOCH))
         return Membership.from_json(self.store.get(proto.epoch_key(epoch)))

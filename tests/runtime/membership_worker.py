@@ -168,8 +168,16 @@ def arm(engine, point: str, iteration: int, out: Path, slot: int) -> None:
 def wait_while_held(hold: Path, engine) -> None:
     """The test paces the job: while ``hold`` names an iteration this rank has reached, it waits at
     the boundary (heartbeating), so that a respawned rank can re-join before the job ends."""
-    while hold.exists() and engine.global_steps >= int(hold.read_text()):
+    while (held := _held_at(hold)) is not None and engine.global_steps >= held:
         time.sleep(0.005)
+
+
+def _held_at(hold: Path) -> int | None:
+    # The test removes the file at any moment: a check for it before reading it would race.
+    try:
+        return int(hold.read_text())
+    except FileNotFoundError:
+        return None
 
 
 def save_atomically(obj, path: Path) -> None:

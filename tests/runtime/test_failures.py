@@ -11,6 +11,7 @@ iteration exactly once per stage.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 
@@ -161,3 +162,32 @@ def test_a_lost_stage_restarts_every_rank_from_the_latest_checkpoint(tmp_path, t
     assert "stage 1 has no live worker left" in survivor and "Last checkpoint: global_step8" in survivor
     assert survivor.count("resumed from checkpoint global_step8") == 1, survivor[-3000:]
     assert_final_states(job, reference, STEPS)
+
+
+def test_a_failure_and_a_join_decided_in_one_recovery(tmp_path, tmp_path_factory):
+    """pp=3 x dp=2: worker (1, 2) is killed during F of iteration 3 and the survivors wait at the
+    next boundary until its respawn's join is accepted; then worker (0, 0) is killed. One recovery
+    decision removes (0, 0) and admits (1, 2): the survivors roll back and re-sync the tied
+    weights, and the joiner must take part in that re-sync (it left them waiting before). Then
+    (0, 0) re-joins too."""
+    pp, dp = 3, 2
+    reference = fault_free(tmp_path_factory, pp, dp, STEPS, "sgd")
+    joiner, victim = slot(dp, 1, 2), slot(dp, 0, 0)
+    job = Job(tmp_path, pp, dp, STEPS, job_config(), "sgd", traps=[f"{joiner}:F:3"])
+    job.hold(4)
+    job.start()
+    try:
+        job.signal_when_trapped(joiner)
+        job.wait_for_line(rf"accepted join of slot {joiner} ")
+        os.kill(job.pids[victim], signal.SIGKILL)
+        job.wait_for_line(rf"published failure of slot {victim} ")
+        iteration = max(job.progress(s) for s in range(pp * dp))
+        hold_degraded(job, iteration)
+        job.wait_for_line(rf"rank {victim} exited \(signal SIGKILL\)")
+        rejoin(job, [victim], iteration, {victim: 0})
+    except BaseException:
+        job.kill()
+        raise
+    check(job, reference, 2)
+    survivor = (tmp_path / "logs" / f"rank{slot(dp, 1, 0)}.log").read_text()
+    assert "failed [(0, 0)] joined [(1, 2)]" in survivor, survivor[-3000:]
