@@ -7,7 +7,8 @@ setup(
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["ds_recycle", "ds_recycle.*"]),
-    package_data={"ds_recycle": ["corpus.txt"]},
+    # the node-availability traces ship with the package, with their README (source and licence)
+    package_data={"ds_recycle": ["corpus.txt", "sim/data/traces/*.csv", "sim/data/traces/README.md"]},
     python_requires=">=3.10",
     install_requires=[
         # torch is pinned by the install step (torch==2.13.0, CPU wheel) before this package;

@@ -15,7 +15,7 @@ Modes: "path" is the default W path (Linear weight GEMMs deferred), "graph" the 
 split, which the path falls back to for modules it does not cover.
 
 Runs on CPU, and on CUDA when a GPU is present (``--device cuda``, CUDA-synchronized timings and
-the GPU stage sizes of research/gpu-bw-split.md). The last line is
+GPU-sized stages: d = 2048 and 4096, sequence 2048). The last line is
 ``host-bound (B+W)/fused: X.XXX`` for the default path.
 
     .venv/bin/python bench/backward_split.py [--quick] [--threads 1]

@@ -2,7 +2,7 @@
 
 Subcommands are registered in :data:`COMMANDS` (name -> :class:`Command`); only implemented ones
 are listed, so ``ds-recycle --help`` never advertises something that does not run. ``simulate``
-and ``launch`` (DESIGN.md §1) plug in the same way.
+and ``launch`` plug in the same way.
 
 Exit codes: 0 success, 2 bad arguments (argparse's convention, also used for a failure set that
 leaves a stage without survivors: that needs a checkpoint fallback, not a plan).

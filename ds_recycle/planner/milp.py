@@ -7,7 +7,7 @@ Model, for one (topology, failure set, costs, memory cap):
   worker is dead gets binaries ``x[h,k,s,q]`` (``sum_q x = 1``) over the survivors ``q`` of stage ``s``.
   (If the warm start moved a healthy micro-batch, its home and its warm-start runner are both candidates.)
 - **times**: a start ``t`` per op, one step start per stage and the makespan ``C`` (objective).
-- **precedences** (DESIGN.md §3): ``F(s-1) -> F(s)`` and ``B(s+1) -> B(s)`` pay the p2p latency ``comm``.
+- **precedences** (docs/design.md §4): ``F(s-1) -> F(s)`` and ``B(s+1) -> B(s)`` pay the p2p latency ``comm``.
   Producer and consumer sit on different stages, hence always on different workers, so the
   latency is a constant and needs no linearization. ``F -> B -> W`` on the same worker. Without
   decoupled backprop, ``W`` starts when its ``B`` ends and the input gradient leaves after ``W``.

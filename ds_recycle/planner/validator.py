@@ -1,4 +1,4 @@
-"""The Plan validator: every invariant of DESIGN.md §3, one rule at a time.
+"""The Plan validator: every invariant of docs/design.md §4, one rule at a time.
 
 ``validate(plan)`` returns None for a good plan and raises :class:`PlanError` naming the first
 offending op (``Op.label()``) and the rule it breaks. Times are compared with a small tolerance
@@ -18,7 +18,7 @@ class PlanError(ValueError):
 
 
 def validate(plan: Plan, *, streams: bool = True) -> None:
-    """Raise PlanError unless ``plan`` satisfies every invariant of DESIGN.md §3.
+    """Raise PlanError unless ``plan`` satisfies every invariant of docs/design.md §4.
 
     ``streams=True`` also lowers the plan and checks its instruction streams, which imports
     DeepSpeed (the instruction classes subclass its own) on first use; ``streams=False`` checks

@@ -1,7 +1,7 @@
 """Bamboo (NSDI'23) as a small model: redundant computation in deeper pipelines.
 
-Mechanism and parameters from paper-eval.md §3 (Bamboo's code and simulator, Oobleck's copy of
-it, and the Bamboo reading note):
+Mechanism and parameters from Bamboo's code and simulator, Oobleck's copy of it, and Bamboo's
+paper (docs/simulator.md, Sources):
 
 - **Layout.** Pipelines are ``P_B = ceil(depth_factor * P)`` stages deep (1.5x: eager redundant
   forward needs about 1.5x the memory), ``D_B = floor(nodes / P_B)`` of them, capped at the grid's
@@ -40,7 +40,7 @@ from ds_recycle.sim.timeline import CheckpointClock, Phase
 @dataclass(frozen=True)
 class BambooParams:
     depth_factor: float = 1.5
-    """``P_B / P`` (the reading note: about 1.5x deeper pipelines for eager FRC's memory)."""
+    """``P_B / P`` (Bamboo's paper: about 1.5x deeper pipelines for eager FRC's memory)."""
     redundancy: float = 2.0
     """Parameter state held per node, in stages (its own and its successor's)."""
     frc_bubble_fill: float = 0.5

@@ -1,6 +1,6 @@
 """Checkpoint-restart: stock 1F1B pipelines that restart from the last checkpoint on any failure.
 
-Model (paper-eval.md §4.1; the Varuna model of Oobleck's artifact):
+Model (the Varuna model of Oobleck's artifact, Young's interval; docs/simulator.md, Sources):
 
 - the job runs ``D'`` pipelines of ``P`` stages (the same layout as ReCycle's grid), each running
   ``ceil(D m / D')`` micro-batches so that the global batch is kept;

@@ -3,7 +3,7 @@
 ::
 
     ds-recycle simulate sweep   --model M --pipelines D --stages P --microbatches m [--placement ...]
-    ds-recycle simulate trace   --trace FILE --model M --stages P --microbatches m
+    ds-recycle simulate trace   --trace NAME|FILE --model M --stages P --microbatches m
     ds-recycle simulate poisson --model M --gpus N --stages P --rate R --hours H [--repair-hours T]
 
 The mode is a positional argument (it may stand anywhere); an option of another mode is refused.
@@ -134,7 +134,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--window", type=_float_in(1, MAX_SECONDS), default=3600.0, metavar="S", help="sweep: seconds after the failure"
     )
-    parser.add_argument("--trace", metavar="FILE", help="trace: time_ms,add|remove,node lines")
+    parser.add_argument(
+        "--trace",
+        metavar="NAME|FILE",
+        help="trace: a shipped trace's name (e.g. bamboo-p3) or a file of time_ms,add|remove,node lines",
+    )
     parser.add_argument("--gpus", type=_int_in(1, MAX_GPUS), help=f"poisson: GPUs (1..{MAX_GPUS})")
     parser.add_argument(
         "--rate",
@@ -283,7 +287,7 @@ def _study(args: argparse.Namespace):
     from ds_recycle.sim.oobleck import OobleckParams
     from ds_recycle.sim.presets import get_model
     from ds_recycle.sim.recycle import RecycleParams
-    from ds_recycle.sim.traces import TraceError, read_trace
+    from ds_recycle.sim.traces import TraceError, find_trace, read_trace
 
     try:
         model = get_model(args.model, args.tp)
@@ -319,7 +323,7 @@ def _study(args: argparse.Namespace):
         )
     if args.mode == "trace":
         try:
-            trace = read_trace(args.trace)
+            trace = read_trace(find_trace(args.trace))
         except TraceError as exc:
             raise SimulateUsageError(f"--trace {exc}") from None
         D = args.pipelines if args.pipelines is not None else trace.peak // P

@@ -1,4 +1,4 @@
-"""The three experiments of the paper study (paper-eval.md §6.2), on the same failures for every system.
+"""The three experiments of the paper study (docs/simulator.md), on the same failures for every system.
 
 - :func:`sweep`: ``f = 0 .. D-1`` workers fail at once (spread over stages, on one stage, or in one
   pipeline); every system runs a window of ``window_s`` from the failure, event costs included,

@@ -22,7 +22,7 @@ from ds_recycle.sim.presets import Hardware, ModelSpec
 
 LLAMA3_RATE_PER_GPU_DAY = 419 / (54 * 16384)
 """Unplanned interruptions per GPU-day in Llama 3 405B training: 419 in 54 days on 16,384 H100s
-(paper-eval.md §5.2)."""
+(docs/simulator.md, Sources)."""
 
 ONE_F_ONE_B = ScheduleOptions(decoupled=False, staggered=False)
 """Stock DeepSpeed: fused backward, every stage steps together at the end of the iteration."""
@@ -31,7 +31,7 @@ ONE_F_ONE_B = ScheduleOptions(decoupled=False, staggered=False)
 @dataclass(frozen=True)
 class Checkpointing:
     cost_s: float = 60.0
-    """Blocking cost of one checkpoint (Varuna model in Oobleck's artifact: 11-120 s; §4.2)."""
+    """Blocking cost of one checkpoint (Varuna model in Oobleck's artifact: 11-120 s)."""
     restart_s: float = 300.0
     """Detect, reschedule, re-initialize and load (Megatron ~300 s at 1K GPUs, TrainMover)."""
     interval_s: float | None = None

@@ -1,7 +1,7 @@
 """Oobleck (SOSP'23) as a small model: pipeline templates re-instantiated on every change.
 
-Mechanism and parameters from paper-eval.md §2 (Oobleck's paper, its ``sosp23-artifact``
-simulator and planning code, and TrainMover's measurements):
+Mechanism and parameters from Oobleck's paper, its ``sosp23-artifact`` simulator and planning code,
+and TrainMover's measurements (docs/simulator.md, Sources):
 
 - **Templates.** A pipeline of ``n`` nodes splits the layers evenly over ``n`` stages; any
   ``n >= min_nodes`` is a template (``min_nodes``: the fewest stages at which a 1F1B pipeline
@@ -41,7 +41,7 @@ class OobleckParams:
     min_nodes: int | None = None
     """Smallest template; None: the fewest stages at which 1F1B fits in memory."""
     remove_downtime_s: float = 57.0
-    """Per removal (TrainMover §2.3, 6.7B GPT on 32 GPUs); the artifact uses 2-10 s."""
+    """Per removal (TrainMover's measurement, 6.7B GPT on 32 GPUs); the artifact uses 2-10 s."""
     add_downtime_s: float = 100.0
     """Per re-add (TrainMover: > 100 s); the artifact folds nodes in at the next removal."""
 

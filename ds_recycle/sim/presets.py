@@ -1,7 +1,7 @@
 """Model and hardware descriptions for the paper-scale simulator (sources in docs/simulator.md).
 
 Per-layer times and memory are per GPT-3-family decoder layer, bf16 autocast, sequence 2048,
-micro-batch 1 sequence, tensor-parallel degree 1, measured on one H100 (gpu-bw-split.md).
+micro-batch 1 sequence, tensor-parallel degree 1, measured on one H100 (docs/simulator.md, Sources).
 350M and 2.7B were not measured: they are scaled from the 1.3B layer by matmul FLOPs (times)
 and by hidden size (memory), which makes the small layers optimistic (kernels are less
 efficient at small sizes).

@@ -34,7 +34,7 @@ REROUTING_ONLY = ScheduleOptions(decoupled=False, staggered=False)
 class RecycleParams:
     detect_s: float = 5.0
     """From the failure to the survivors' agreement: a p2p/collective exception is immediate, the
-    epoch vote and heartbeat confirmation take seconds (DESIGN.md §5) [assumption]."""
+    epoch vote and heartbeat confirmation take seconds (docs/design.md §6) [assumption]."""
     rebuild_s: float = 10.0
     """New communication groups for the new epoch (NCCL communicator creation at scale) [assumption]."""
     lookup_s: float = 0.001

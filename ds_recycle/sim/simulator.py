@@ -1,7 +1,7 @@
 """Replay a plan's per-worker op order under its cost model, over one or many iterations.
 
 Every op starts as soon as its worker is free and its inputs are there (as soon as possible, in
-the plan's order). Dependencies are those of DESIGN.md §3 with the p2p latency between different
+the plan's order). Dependencies are those of docs/design.md §4 with the p2p latency between different
 workers. With a fused backward (``decoupled`` false) the input gradient leaves a worker only when
 its whole backward is done, so B of stage s waits for W of stage s+1. S of a stage starts when
 every live worker of the stage has reached its S (staggered), or when every live worker has

@@ -1,4 +1,7 @@
-"""Node availability traces: ``time_ms,add|remove,node_name`` lines (../shared/data/traces/README.md).
+"""Node availability traces: ``time_ms,add|remove,node_name`` lines.
+
+The public traces of Bamboo and Oobleck ship with the package in ``ds_recycle/sim/data/traces/``
+(their README gives the source and licence of each); :func:`find_trace` takes one by name.
 
 Times are milliseconds from the start of the trace, never decreasing; events at one instant share
 their time. A node is added before it is removed, and not added twice while present. The replay
@@ -119,10 +122,38 @@ def parse_trace(text: str, name: str = "trace", where: str = "trace") -> Trace:
 
 
 def shipped_traces(root: str | Path | None = None) -> list[Path]:
-    """The CSV traces shipped in ../shared/data/traces (or ``root``)."""
+    """The CSV traces shipped with the package (or those in ``root``), sorted by name."""
     base = Path(root) if root is not None else default_trace_dir()
     return sorted(base.glob("*.csv")) if base.is_dir() else []
 
 
+def shipped_trace_names() -> list[str]:
+    """The names :func:`find_trace` accepts: the shipped files without ``.csv``."""
+    return [path.stem for path in shipped_traces()]
+
+
+def find_trace(name_or_path: str | Path) -> Path:
+    """A trace file: ``name_or_path`` itself when it is a file, else the shipped trace of that name
+    (``bamboo-p3`` or ``bamboo-p3.csv``). Raises :class:`TraceError` naming the allowed names."""
+    path = Path(name_or_path)
+    try:
+        if path.is_file():
+            return path
+    except (OSError, ValueError):  # an embedded NUL, a name too long for the system...
+        pass
+    text = str(name_or_path)
+    stem = text[:-4] if text.endswith(".csv") else text
+    for shipped in shipped_traces():
+        if shipped.stem == stem:
+            return shipped
+    shown = text if len(text) <= 80 else text[:77] + "..."
+    names = ", ".join(shipped_trace_names()) or "none shipped"
+    raise TraceError(
+        f"{shown}: no such file and no shipped trace of that name; allowed: a file of "
+        f"'time_ms,add|remove,node_name' lines or a shipped name ({names})"
+    )
+
+
 def default_trace_dir() -> Path:
-    return Path(__file__).resolve().parents[3] / "shared" / "data" / "traces"
+    """Where the package keeps its traces: ``ds_recycle/sim/data/traces``."""
+    return Path(__file__).resolve().parent / "data" / "traces"

@@ -21,7 +21,7 @@ TRACES = shipped_traces()
 
 
 def test_every_shipped_trace_is_read() -> None:
-    assert len(TRACES) >= 10, "the shipped traces (../shared/data/traces) are missing"
+    assert len(TRACES) >= 10, "the shipped traces (ds_recycle/sim/data/traces) are missing"
     for path in TRACES:
         trace = read_trace(path)
         assert trace.duration > 0 and 1 <= trace.peak <= 40 and trace.removals > 0
@@ -185,3 +185,17 @@ def test_cli_bad_trace_file(content: str, tmp_path) -> None:
     path.write_bytes(content.encode("latin-1"))
     code, out, err = _cli(["simulate", "trace", "--model", "1.3B", "-P", "2", "-m", "4", "--trace", str(path)])
     assert code == 2 and out == "" and len(err.splitlines()) == 1 and "--trace" in err, err
+
+
+def test_cli_trace_by_shipped_name() -> None:
+    by_name = _cli(["simulate", "trace", "--trace", "oobleck-synthetic-6h", "--model", "350M", "-P", "8", "-m", "4"])
+    path = str(next(p for p in TRACES if p.stem == "oobleck-synthetic-6h"))
+    by_path = _cli(["simulate", "trace", "--trace", path, "--model", "350M", "-P", "8", "-m", "4"])
+    assert by_name[0] == 0, by_name[2]
+    assert by_name == by_path
+
+
+def test_cli_unknown_trace_name_lists_the_shipped_names() -> None:
+    code, out, err = _cli(["simulate", "trace", "--trace", "spot-2031", "--model", "1.3B", "-P", "2", "-m", "4"])
+    assert code == 2 and out == "" and len(err.splitlines()) == 1, err
+    assert "--trace spot-2031" in err and all(path.stem in err for path in TRACES), err
