@@ -38,11 +38,11 @@ from ds_recycle.planner.list_scheduler import ScheduleOptions
 from ds_recycle.planner.lower_bound import BoundParts, lower_bound, lower_bound_parts
 from ds_recycle.planner.milp import available_solver, plan_milp
 from ds_recycle.planner.plan import CostModel, Plan, Worker
+from ds_recycle.planner.simulate import simulate
 from ds_recycle.planner.validator import validate
 from ds_recycle.sim.cost_model import stage_costs
 from ds_recycle.sim.presets import PRESETS
 from ds_recycle.sim.recycle import RecycleParams
-from ds_recycle.sim.simulator import simulate
 
 ABLATION = (
     ("reroute only (fused B+W, sync step)", ScheduleOptions(decoupled=False, staggered=False)),

@@ -33,7 +33,7 @@ from ds_recycle.planner.list_scheduler import (
 from ds_recycle.planner.lower_bound import check_survivors, lower_bound
 from ds_recycle.planner.normalize import canonical, invert, relabel
 from ds_recycle.planner.plan import CostModel, Op, Plan, Worker
-from ds_recycle.sim.simulator import retime_and_simulate
+from ds_recycle.planner.simulate import retime_and_simulate
 
 POLICIES: dict[str, SchedulePolicy] = {
     "zb": SchedulePolicy(),

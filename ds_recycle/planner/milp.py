@@ -56,7 +56,7 @@ from ds_recycle.planner.plan import (
     Plan,
     Worker,
 )
-from ds_recycle.sim.simulator import retime as sim_retime
+from ds_recycle.planner.simulate import retime as sim_retime
 
 OpKey = tuple[str, int, int, int]
 """``(kind, home, mb, stage)`` of an F, B or W op."""
@@ -306,7 +306,7 @@ def _makespan(workers: dict[Worker, list[Op]]) -> float:
 
 
 def _steady_state_period(plan: Plan) -> float:
-    from ds_recycle.sim.simulator import simulate
+    from ds_recycle.planner.simulate import simulate
 
     return float(simulate(plan, iterations=4).steady_state_period)
 

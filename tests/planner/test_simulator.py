@@ -10,9 +10,9 @@ from ds_recycle.planner.fault_free import fault_free_plan
 from ds_recycle.planner.heuristic import plan_heuristic
 from ds_recycle.planner.list_scheduler import ScheduleOptions
 from ds_recycle.planner.plan import CostModel, Op, Plan
+from ds_recycle.planner.simulate import retime, simulate
 from ds_recycle.planner.validator import validate
 from ds_recycle.sim.cost_model import TransformerSpec, transformer_costs
-from ds_recycle.sim.simulator import retime, simulate
 
 CASES = [
     (1, 4, 8, ()),

@@ -9,12 +9,12 @@ import pytest
 from helpers import balanced_job, small_job
 
 from ds_recycle.planner.fault_free import fault_free_plan
+from ds_recycle.planner.simulate import simulate
 from ds_recycle.sim.bamboo import Bamboo, BambooParams, adopted_costs
 from ds_recycle.sim.checkpoint import CheckpointParams, CheckpointRestart
 from ds_recycle.sim.job import iteration_1f1b
 from ds_recycle.sim.oobleck import Oobleck, OobleckParams, distribute
 from ds_recycle.sim.recycle import Recycle
-from ds_recycle.sim.simulator import simulate
 
 NODES16 = [f"n{i}" for i in range(16)]
 
