@@ -8,6 +8,7 @@ iterator that DeepSpeed's ``train_batch(data_iter)`` consumes.
 from __future__ import annotations
 
 import math
+import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,6 +102,17 @@ def pipeline_iterator(provider, home: int, microbatches: int, start_iteration: i
         for mb in range(microbatches):
             yield provider.get(iteration, home, mb)
         iteration += 1
+
+
+def shield_helper(worker_id: int | None = None) -> None:
+    """A ``worker_init_fn`` for the DataLoaders of a script under ``ds-recycle launch``.
+
+    A cluster delivers a preemption notice (SIGTERM, SIGINT, SIGHUP) to every process of a rank's
+    tree. For the rank it means "leave at the next iteration boundary"; a DataLoader worker would
+    die of it (torch installs its own SIGTERM handler there) and take the rank's data iterator with
+    it. With this, the worker ignores the notice and ends with its rank."""
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def shipped_corpus_tokens() -> tuple[CharTokenizer, torch.Tensor]:

@@ -63,6 +63,8 @@ from ds_recycle.runtime.waiting import FailureWatcher, PeerFailure, Waiter
 _EXTRA_BUFFERS = ("losses", "grads", "input_grads", "weight_work")
 TRAIN_BATCH_TIMER = "train_batch"
 MAX_RECOVERY_ROUNDS = 8
+HELPER_LOST_EXIT_CODE = 3
+"""A rank whose helper process (a DataLoader worker) died ends with this code: a failure."""
 
 
 class PlannedSchedule(schedule.PipeSchedule):
@@ -189,7 +191,8 @@ class RecyclePipelineEngine(PipelineEngine):
             )
 
     def _start_watcher(self) -> None:
-        self.watcher = FailureWatcher(connect(self.agent.address, self.agent.generation)).start()
+        store = connect(self.agent.address, self.agent.generation)
+        self.watcher = FailureWatcher(store, self.agent.failure_concerns_this_rank).start()
         self.waiter.failed = self.watcher.flag
 
     def _enter_epoch(self, membership: Membership, previous_members: tuple[int, ...]) -> None:
@@ -291,6 +294,19 @@ class RecyclePipelineEngine(PipelineEngine):
             timer.stop()
         timer.reset()
         self.stepper._pending = None
+
+    def _leave_after_helper_death(self, error: RuntimeError) -> None:
+        """A helper process of this rank (a DataLoader worker of the script's data iterator) died:
+        the iterator cannot give this iteration's micro-batches, so the rank cannot finish it. It
+        ends now, non-zero, and the launcher publishes that as a failure at once: the survivors
+        roll the iteration back and re-run it without this worker, and a respawn re-joins."""
+        cause = "after a leave signal" if self.agent.leave_requested else "unexpectedly"
+        logger.error(
+            f"ReCycle: slot {self.slot} (worker {self.worker}) lost a helper process {cause} ({error}); it cannot "
+            f"finish iteration {self.global_steps}, so it leaves now as a failure and the survivors re-run it"
+        )
+        self.agent.stop()
+        raise exit_guard.exit(HELPER_LOST_EXIT_CODE)
 
     def _stop_job(self, lost: StageLostError) -> None:
         """Training cannot go on in place: say why, once, and end this rank so that the launcher
@@ -461,6 +477,14 @@ class RecyclePipelineEngine(PipelineEngine):
                 torch.utils.checkpoint.checkpoint, use_reentrant=False
             )
 
+    def _build_data_iter(self, dataset):
+        """With ReCycle every worker loads a map-style ``training_data`` by (iteration, home, mb)
+        in its own process (:class:`~ds_recycle.data.DatasetMicroBatches`): DeepSpeed's prefetching
+        pipeline loader would only add DataLoader worker processes, which a signal to the rank's
+        process tree kills."""
+        if not self.recycle.enabled:
+            super()._build_data_iter(dataset)
+
     # ---- schedule ---------------------------------------------------------------------------
 
     def train_batch(self, data_iter=None):
@@ -484,6 +508,10 @@ class RecyclePipelineEngine(PipelineEngine):
                     self._stop_job(lost)
             except StageLostError as lost:
                 self._stop_job(lost)
+            except RuntimeError as error:
+                if self.agent is None or not _is_helper_death(error):
+                    raise
+                self._leave_after_helper_death(error)
         seconds = time.time() - began
         if self.monitors and self.is_lowest_live_rank():
             stats = IterationStats(
@@ -716,6 +744,12 @@ class RecyclePipelineEngine(PipelineEngine):
         BackwardWeight: _exec_backward_weight,
         StaggeredStep: _exec_staggered_step,
     }
+
+
+def _is_helper_death(error: RuntimeError) -> bool:
+    """torch raises this in the main thread (from its SIGCHLD handler, or at the next batch) when a
+    DataLoader worker process ends by a signal or exits unexpectedly."""
+    return "DataLoader worker" in str(error)
 
 
 def _as_tuple(value) -> tuple:

@@ -5,13 +5,15 @@ own store client (a blocking call on a TCPStore client blocks every other thread
 Each tick it:
 
 1. takes the rank exits that the launcher observed through waitpid (:meth:`Coordinator.rank_exited`):
-   a member of the current epoch that ended non-zero or by a signal, and is not already failed or
-   leaving in ``pending``, or a joiner whose accepted join is still pending, is appended as a
-   ``failed`` change and ``alert`` is incremented (an exit 0 or 75 is never a failure);
+   a member of the current epoch that ended non-zero or by a signal and is not already failed in
+   ``pending`` (a leaver whose boundary has not come yet included), or a joiner whose accepted join
+   is still pending, is appended as a ``failed`` change and ``alert`` is incremented (an exit 0 or
+   75 is never a failure);
 2. reads the new requests (``request_count``, ``request/<k>``, k = 1, 2, ...) and appends the valid
-   ones: the token matches, the kind is ``join`` or ``leave``, the slot is in range, a ``leave``
-   comes from a member that is not already on its way out, a ``join`` is for a slot that is not a
-   member of the current epoch and has no join pending.
+   ones: the token matches, the kind is ``join``, ``leave`` or ``probe``, the slot is in range, a
+   ``leave`` comes from a member that is not already on its way out, a ``join`` is for a slot that
+   is not a member of the current epoch and has no join pending. A ``probe`` (a member's peer stopped
+   answering and no failure was published) publishes as failed every member whose process ended.
    A refused request changes nothing; both outcomes are logged;
 3. checks heartbeats: a member whose last heartbeat (of its current incarnation) is older than the
    timeout is appended as ``failed`` and its process is killed through the launcher's callback, so a
@@ -227,17 +229,27 @@ class Coordinator:
     def _on_exit(self, exit: RankExit) -> None:
         if exit.returncode == 0 or exit.returncode == proto.RESTART_EXIT_CODE:
             return
+        with self._lock:
+            latest = self._incarnations.get(exit.slot)
+        if latest is not None and latest.number != exit.incarnation:
+            return  # an earlier process of the slot, reaped after its successor started
         membership = read_membership(self._store)
         last = self._last_change(exit.slot)
         joining = exit.slot not in membership.members and last is not None and last.kind == proto.JOIN
-        if not joining and (exit.slot not in membership.members or self._out(exit.slot)):
+        if not joining and exit.slot not in membership.members:
             return
-        # A joiner that dies before its join is decided is failed too: the decision that admits it
-        # also removes it (the members may have decided the join already, hence the alert).
-        self._append(proto.FAILED, exit.slot, exit.observed, exit.describe(), alert=True)
+        if last is not None and last.kind == proto.FAILED and exit.slot in membership.members:
+            return
+        # A leaver that dies before its boundary is failed like any other member: its peers may be
+        # waiting on it in the iteration it was to finish. A joiner that dies before its join is
+        # decided is failed too: the decision that admits it also removes it (the members may have
+        # decided the join already, hence the alert; members not running with it ignore it).
+        why = exit.describe() + (" while leaving" if last is not None and last.kind == proto.LEAVE else "")
+        why += " while its join was pending" if joining else ""
+        self._append(proto.FAILED, exit.slot, exit.observed, why, alert=True)
         latency_ms = 1000 * (time.time() - exit.observed)
         self._log(
-            f"published failure of slot {exit.slot} ({exit.describe()}) in epoch {membership.epoch}, "
+            f"published failure of slot {exit.slot} ({why}) in epoch {membership.epoch}, "
             f"{latency_ms:.1f} ms after waitpid saw the exit"
         )
 
@@ -268,6 +280,9 @@ class Coordinator:
         if reason:
             self._log(f"refused {who}: {reason}")
             return
+        if request.kind == proto.PROBE:
+            self._answer_probe(request)
+            return
         self._append(request.kind, request.slot, request.time, f"pid {request.pid}")
         self._log(f"accepted {request.kind} of slot {request.slot} (pid {request.pid})")
 
@@ -280,6 +295,8 @@ class Coordinator:
         if not 0 <= request.slot < self.world_size:
             return f"slot out of range (0..{self.world_size - 1})"
         member = request.slot in read_membership(self._store).members
+        if request.kind == proto.PROBE:
+            return "" if member else "not a member of the current epoch"
         last = self._last_change(request.slot)
         leaving = last is not None and last.kind in (proto.FAILED, proto.LEAVE)
         if request.kind == proto.LEAVE:
@@ -295,6 +312,22 @@ class Coordinator:
         if last is not None and last.kind == proto.JOIN:
             return "a join of this slot is already pending"
         return ""
+
+    def _answer_probe(self, request: Request) -> None:
+        """A member's peer stopped answering and no failure was published: every member whose
+        process has ended (whatever its code: a member that exits 0 before the job is finished
+        leaves its peers waiting too) is published as failed."""
+        membership = read_membership(self._store)
+        ended = []
+        for slot in membership.members:
+            with self._lock:
+                incarnation = self._incarnations.get(slot)
+            last = self._last_change(slot)
+            if incarnation is not None and not incarnation.running and not (last and last.kind == proto.FAILED):
+                ended.append(slot)
+                self._append(proto.FAILED, slot, time.time(), "ended while still a member", alert=True)
+        found = f"published failure of ended members {ended}" if ended else "every member's process is running"
+        self._log(f"probe from slot {request.slot} (pid {request.pid}) in epoch {membership.epoch}: {found}")
 
     def _check_heartbeats(self) -> None:
         membership = read_membership(self._store)

@@ -32,7 +32,10 @@ EXIT_GRACE_SECONDS = 30.0
 """The last heartbeat, written at interpreter exit, is dated this far ahead: tearing down torch and
 gloo can take longer than the hang timeout, and an exiting process is not a hung one."""
 STORE_TIMEOUT_SECONDS = 120.0
+LEAVE_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 POLL_SECONDS = 0.002
+PROBE_AFTER_SECONDS = 1.0
+"""A survivor whose peer stopped answering asks the coordinator after this long without a failure."""
 
 
 class MembershipError(RuntimeError):
@@ -108,15 +111,26 @@ class MembershipAgent:
         self.store.set(proto.request_key(index), request.to_json())
 
     def install_leave_handler(self) -> None:
-        """SIGTERM (a preemption notice) means: finish this iteration, then leave the job."""
+        """SIGTERM, SIGINT or SIGHUP (a preemption notice, ``scancel``, a closed terminal) means:
+        finish this iteration, then leave the job. A cluster signals the rank's whole process tree.
+        A process forked from the rank inherits this handler: there it acts as if the handler had
+        never been installed (a helper must not post a leave for the rank); a helper that must live
+        on until the rank leaves ignores the signal (:func:`ds_recycle.data.shield_helper`)."""
+        rank_pid = os.getpid()
 
-        def on_sigterm(signum, frame):
+        def on_signal(signum, frame):
+            if os.getpid() != rank_pid:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+                return
             if not self.leave_requested:
                 self.leave_requested = True
-                logger.info(f"ReCycle: slot {self.slot} got SIGTERM; leaving at the next iteration boundary")
+                name = signal.Signals(signum).name
+                logger.info(f"ReCycle: slot {self.slot} got {name}; leaving at the next iteration boundary")
                 threading.Thread(target=self._post_leave, name="recycle-leave", daemon=True).start()
 
-        signal.signal(signal.SIGTERM, on_sigterm)
+        for signum in LEAVE_SIGNALS:
+            signal.signal(signum, on_signal)
 
     def _post_leave(self) -> None:
         # Its own client: the main thread may be inside a store call on the agent's client.
@@ -153,13 +167,21 @@ class MembershipAgent:
         this was not a failure."""
         self.refresh()
         epoch = self.current.epoch
-        deadline = time.monotonic() + detect_timeout
-        while not any(c.kind == proto.FAILED and c.slot in running for c in self._pending()):
-            if time.monotonic() > deadline:
+        started = time.monotonic()
+        probed = False
+        while not self.failure_among(set(running) | set(self.current.members)):
+            waited = time.monotonic() - started
+            if waited > detect_timeout:
                 raise MembershipError(
                     f"a peer stopped answering in epoch {epoch} but the launcher published no failure within "
-                    f"{detect_timeout:.0f} s"
+                    f"{detect_timeout:.0f} s, and found no ended member when asked"
                 )
+            if not probed and waited > PROBE_AFTER_SECONDS:
+                # The coordinator publishes every death it sees; ask it to look for a member whose
+                # end it did not count as a failure (one that exited 0 before the job finished).
+                self.request(proto.PROBE)
+                probed = True
+                logger.info(f"ReCycle: slot {self.slot} asked the coordinator which peer stopped answering")
             time.sleep(POLL_SECONDS)
         self.store.set(f"progress/{epoch}/{self.slot}", json.dumps([progress.done, progress.stepped]))
         key = f"recovery/{epoch}"
@@ -185,6 +207,18 @@ class MembershipAgent:
         self.current = decision.next
         return decision
 
+    def failure_among(self, slots: set[int], store=None) -> bool:
+        """Whether a failure not yet taken by a decision concerns one of ``slots``."""
+        pending = self._pending(store)
+        return any(c.kind == proto.FAILED and c.slot in slots for c in pending[self.applied :])
+
+    def failure_concerns_this_rank(self, store) -> bool:
+        """For the failure watcher (its own store client): whether an announced failure is of a
+        member of this rank's epoch, or of the latest decided one. A joiner that died before it was
+        admitted, or a leaver that died after its leave took effect, concerns nobody."""
+        latest = _read_membership(store)
+        return self.failure_among(set(self.current.members) | set(latest.members), store)
+
     def failures_applied(self) -> int:
         """How many failures the decisions so far took into account (the launcher adds a failure to
         ``pending`` before it raises ``alert``, so the alert count can be compared with this)."""
@@ -198,14 +232,20 @@ class MembershipAgent:
         """Wait until every member of ``membership`` is ready to build its world. Raises
         EpochSuperseded if a newer epoch was decided meanwhile, and calls ``on_failure`` (a member
         has the failure flag) if a failure is announced."""
+        from ds_recycle.runtime.waiting import PeerFailure
+
         key = f"ready/{membership.epoch}"
         self.store.add(key, 1)
         deadline = time.monotonic() + timeout
+        polls = 0
         while int(self.store.add(key, 0)) < len(membership.members):
             if failure_flag is not None and failure_flag.is_set():
-                from ds_recycle.runtime.waiting import PeerFailure
-
                 raise PeerFailure(f"a failure was announced while entering epoch {membership.epoch}")
+            polls += 1
+            # A member (a joiner) may have died after the failure watcher judged its failure to
+            # concern nobody, before the decision that admitted it was published.
+            if polls % 10 == 0 and self.failure_among(set(membership.members)):
+                raise PeerFailure(f"a member of epoch {membership.epoch} failed before every member entered it")
             if int(self.store.get(proto.CURRENT_EPOCH)) > membership.epoch:
                 raise EpochSuperseded(f"epoch {membership.epoch} was superseded before every member entered it")
             if time.monotonic() > deadline:
@@ -235,10 +275,11 @@ class MembershipAgent:
             self.applied = self._decision_creating(latest).applied
         return self.current
 
-    def _pending(self) -> list[Change]:
-        if not self.store.check([proto.PENDING]):
+    def _pending(self, store=None) -> list[Change]:
+        store = store or self.store
+        if not store.check([proto.PENDING]):
             return []
-        return proto.changes_from_json(self.store.get(proto.PENDING))
+        return proto.changes_from_json(store.get(proto.PENDING))
 
     def _decision_creating(self, membership: Membership) -> Decision:
         """The decision (a boundary or a recovery) that created ``membership``."""
@@ -256,8 +297,7 @@ class MembershipAgent:
         return self.store.check([key]) and Decision.from_json(self.store.get(key)).next == membership
 
     def _read_current(self) -> Membership:
-        epoch = int(self.store.get(proto.CURRENT_EPOCH))
-        return Membership.from_json(self.store.get(proto.epoch_key(epoch)))
+        return _read_membership(self.store)
 
     # ---- joining -----------------------------------------------------------------------------
 
@@ -316,3 +356,8 @@ class MembershipAgent:
                 self.store.set(proto.heartbeat_key(self.slot), repr(time.time() + EXIT_GRACE_SECONDS))
             except Exception:  # the launcher is gone already
                 pass
+
+
+def _read_membership(store) -> Membership:
+    epoch = int(store.get(proto.CURRENT_EPOCH))
+    return Membership.from_json(store.get(proto.epoch_key(epoch)))

@@ -50,8 +50,9 @@ HEARTBEAT_MIN_TIMEOUT_SECONDS = 10.0
 LEAVE = "leave"
 JOIN = "join"
 FAILED = "failed"
-CHANGE_KINDS = (LEAVE, JOIN, FAILED)
-REQUEST_KINDS = (LEAVE, JOIN)
+PROBE = "probe"
+"""A request, never a change: a member's peer stopped answering and no failure was published."""
+REQUEST_KINDS = (LEAVE, JOIN, PROBE)
 
 
 HEARTBEAT_STOPPED = "stopped"

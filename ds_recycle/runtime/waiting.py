@@ -19,6 +19,7 @@ import atexit
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ds_recycle.runtime import exit_guard
@@ -38,6 +39,9 @@ class FailureWatcher:
 
     store: object
     """Its own store client: a blocking call on a shared client would block the other threads."""
+    concerns_this_rank: Callable[[object], bool] | None = None
+    """Given the watcher's store client: whether the announced failures concern this rank's peers.
+    One that does not (a joiner that died before it was admitted) is taken as seen, not raised."""
     seen: int = 0
     period: float = 0.005
     flag: threading.Event = field(default_factory=threading.Event)
@@ -61,17 +65,24 @@ class FailureWatcher:
             except Exception:  # the launcher (and its store) is gone: the job is over
                 self.raise_flag()
                 return
+            if value <= self.seen:
+                continue
+            try:
+                relevant = self.concerns_this_rank is None or self.concerns_this_rank(self.store)
+            except Exception:  # cannot tell: stop and let recovery find out
+                relevant = True
             with self._lock:
-                if value > self.seen:
+                if value <= self.seen:
+                    continue
+                if relevant:
                     self.raise_flag()
+                else:
+                    self.seen = value
 
     def raise_flag(self) -> None:
         if not self.flag.is_set():
             self.raised_at = time.time()
             self.flag.set()
-
-    def current_alerts(self) -> int:
-        return int(self.store.add(proto.ALERT, 0))
 
     def acknowledge(self, seen: int) -> None:
         """Recovery has taken the first ``seen`` announced failures into account; a later one raises

@@ -22,7 +22,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 
 import ds_recycle  # noqa: E402
-from ds_recycle.data import TokenWindowProvider, shipped_corpus_tokens  # noqa: E402
+from ds_recycle.data import TokenWindowProvider, shield_helper, shipped_corpus_tokens  # noqa: E402
 from ds_recycle.instructions.routed import BackwardInput, BackwardWeight, ForwardPass, StaggeredStep  # noqa: E402
 from ds_recycle.models import GPTConfig, build_gpt_pipeline  # noqa: E402
 
@@ -36,7 +36,8 @@ def main() -> None:
         incarnation += GENERATION_STRIDE * generation
         args.trap = []
 
-    engine = build_engine(args.pp, args.optimizer, args.config)
+    engine = build_engine(args.pp, args.optimizer, args.config, args.data)
+    helpers = start_helpers(engine, args.out, slot, incarnation) if args.helpers else None
     for trap in args.trap:
         trap_slot, point, iteration = trap.split(":")
         if int(trap_slot) == slot and incarnation == 0:
@@ -46,6 +47,8 @@ def main() -> None:
     try:
         while engine.global_steps < args.steps:
             wait_while_held(args.out / "hold", engine)
+            if helpers is not None:
+                next(helpers)  # the script's own use of its helper processes
             loss = float(engine.train_batch())
             # After a recovery the call may have re-run an earlier iteration: it returns the loss of
             # the iteration it finished last.
@@ -78,15 +81,20 @@ def start_rank(trap_help: str) -> tuple[argparse.Namespace, int, int]:
     parser.add_argument("--config", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--trap", action="append", default=[], help=trap_help)
+    parser.add_argument(
+        "--data", choices=["provider", "dataset"], default="provider", help="training_data: a provider or a dataset"
+    )
+    parser.add_argument("--helpers", action="store_true", help="start helper processes, as a script would")
     args = parser.parse_args()
     torch.set_num_threads(1)
     ds_recycle.init_distributed()
     return args, int(os.environ["RANK"]), int(os.environ.get("DS_RECYCLE_INCARNATION", "0"))
 
 
-def build_engine(pp: int, optimizer_name: str, config_path: Path):
-    """The job of every membership test: the tiny GPT on the deterministic provider, SGD with
-    momentum or Adam, through ``ds_recycle.initialize``; the engine records its F ledger."""
+def build_engine(pp: int, optimizer_name: str, config_path: Path, data: str = "provider"):
+    """The job of every membership test: the tiny GPT on the deterministic provider (or a map-style
+    dataset of windows, the documented ``training_data`` contract), SGD with momentum or Adam,
+    through ``ds_recycle.initialize``; the engine records its F ledger."""
     tokenizer, tokens = shipped_corpus_tokens()
     cfg = GPTConfig(tokenizer.vocab_size, **MODEL)
     model = build_gpt_pipeline(cfg, num_stages=pp, seed=0)
@@ -97,9 +105,65 @@ def build_engine(pp: int, optimizer_name: str, config_path: Path):
         optimizer = torch.optim.SGD(params, lr=5e-2, momentum=0.9)
     config = json.loads(config_path.read_text())
     provider = TokenWindowProvider(tokens, cfg.seq_len, config["train_micro_batch_size_per_gpu"], seed=0)
-    engine, _, _, _ = ds_recycle.initialize(model=model, optimizer=optimizer, config=config, training_data=provider)
+    training_data = provider if data == "provider" else WindowDataset(tokens, cfg.seq_len)
+    engine, _, _, _ = ds_recycle.initialize(
+        model=model, optimizer=optimizer, config=config, training_data=training_data
+    )
     engine.forward_ledger = []
     return engine
+
+
+class WindowDataset(torch.utils.data.Dataset):
+    """Next-token windows of the corpus at a fixed stride: a plain map-style dataset."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, stride: int = 7) -> None:
+        self.tokens, self.seq_len, self.stride = tokens, seq_len, stride
+
+    def __len__(self) -> int:
+        return (self.tokens.numel() - self.seq_len - 1) // self.stride
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        window = self.tokens[index * self.stride : index * self.stride + self.seq_len + 1]
+        return window[:-1].clone(), window[1:].clone()
+
+
+def start_helpers(engine, out: Path, slot: int, incarnation: int):
+    """What a training script starts beside its engine: a DataLoader with two worker processes
+    (shielded from the rank's preemption notice by ``ds_recycle.data.shield_helper``) and a plain
+    forked helper process. Their PIDs go to ``out/helpers<slot>.<incarnation>``; returns an
+    iterator the script draws from once per iteration."""
+    import multiprocessing
+
+    tokenizer, tokens = shipped_corpus_tokens()
+    loader = torch.utils.data.DataLoader(
+        WindowDataset(tokens, MODEL["seq_len"]),
+        batch_size=2,
+        num_workers=2,
+        persistent_workers=True,
+        worker_init_fn=shield_helper,
+    )
+    batches = iter(loader)
+    next(batches)  # the workers are up
+    forked = multiprocessing.get_context("fork").Process(target=_idle_helper, args=(os.getpid(),), daemon=True)
+    forked.start()
+    pids = [w.pid for w in batches._workers] + [forked.pid]
+    (out / f"helpers{slot}.{incarnation}").write_text(" ".join(map(str, pids)))
+
+    def draw():
+        nonlocal batches
+        while True:
+            try:
+                yield next(batches)
+            except StopIteration:
+                batches = iter(loader)
+
+    return draw()
+
+
+def _idle_helper(rank_pid: int) -> None:
+    """A forked helper: it lives until its rank ends (or a signal ends it)."""
+    while os.getppid() == rank_pid:
+        time.sleep(0.1)
 
 
 def report_progress(out: Path, slot: int, finished: int) -> None:

@@ -49,7 +49,11 @@ class Job:
     """``SLOT:POINT:ITERATION``: where a rank parks for the test's signal (membership_worker.arm)."""
     launcher_args: list[str] = field(default_factory=list)
     worker: Path = WORKER
-    """The rank script; it takes --pp --steps --optimizer --config --out [--trap ...]."""
+    """The rank script; it takes --pp --steps --optimizer --config --out [--trap ...] [--data ...] [--helpers]."""
+    data: str = "provider"
+    """``training_data``: ``provider`` or ``dataset`` (map-style)."""
+    helpers: bool = False
+    """Each rank starts helper processes (DataLoader workers, a forked process) as scripts do."""
     lines: list[str] = field(default_factory=list)
     pids: dict[int, int] = field(default_factory=dict)
 
@@ -66,6 +70,10 @@ class Job:
         script = [str(self.worker), "--pp", str(self.pp), "--steps", str(self.steps), "--optimizer", self.optimizer]
         script += ["--config", str(self.tmp / "ds_config.json"), "--out", str(self.out)]
         script += [arg for trap in self.traps for arg in ("--trap", trap)]
+        if self.data != "provider":
+            script += ["--data", self.data]
+        if self.helpers:
+            script.append("--helpers")
         env = {**os.environ, "DS_ACCELERATOR": "cpu"}
         self.proc = subprocess.Popen(
             launcher + script,
@@ -109,6 +117,18 @@ class Job:
         for pid in pids.values():
             os.kill(pid, sig)
 
+    def signal_tree_at(self, slots: list[int], iteration: int, sig: int = signal.SIGTERM) -> list[int]:
+        """As a cluster delivers a preemption notice: ``sig`` to every process of each rank's tree
+        (its process group: the launcher starts each rank in a session of its own) once the first
+        of ``slots`` has finished ``iteration``. Returns the PIDs the signal reached."""
+        self.wait_until(lambda: self.progress(slots[0]) >= iteration, f"slot {slots[0]} at iteration {iteration}")
+        reached = []
+        for slot in slots:
+            pid = self.pids[slot]
+            reached += [p for p in _pids() if _pgid(p) == pid]
+            os.killpg(pid, sig)
+        return reached
+
     def signal_when_trapped(self, slot: int, sig: int = signal.SIGKILL) -> None:
         """Wait until ``slot`` parks at its trap, then send it ``sig``."""
         self.wait_until(lambda: (self.out / f"trapped{slot}").exists(), f"slot {slot} to reach its trap")
@@ -127,6 +147,14 @@ class Job:
     def count(self, pattern: str) -> int:
         regex = re.compile(pattern)
         return sum(bool(regex.search(x)) for x in list(self.lines))
+
+    def count_in_rank_logs(self, pattern: str) -> int:
+        regex = re.compile(pattern)
+        return sum(
+            bool(regex.search(line))
+            for path in (self.tmp / "logs").glob("*.log")
+            for line in path.read_text(errors="replace").splitlines()
+        )
 
     def wait_for_line(self, pattern: str, count: int = 1, timeout: float = 120.0) -> None:
         self.wait_until(lambda: self.count(pattern) >= count, pattern, timeout)
@@ -180,6 +208,17 @@ class Job:
         return saved
 
 
+def _pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
 def final_states(records: list[dict]) -> dict[int, dict]:
     """The state of every slot that finished the job, by slot."""
     return {r["slot"]: r for r in records if r.get("finished")}
@@ -206,20 +245,29 @@ def job_config() -> dict:
     return ds_config(M, CLIP, EMULATION)
 
 
-def fault_free(tmp_path_factory, pp: int, dp: int, steps: int, optimizer: str) -> dict[int, dict]:
+def fault_free(
+    tmp_path_factory, pp: int, dp: int, steps: int, optimizer: str, data: str = "provider"
+) -> dict[int, dict]:
     """The final state of every slot in a fault-free run of the job (run once per test session)."""
-    key = (pp, dp, steps, optimizer)
+    key = (pp, dp, steps, optimizer, data)
     if key not in _fault_free:
-        tmp = tmp_path_factory.mktemp(f"fault_free_pp{pp}dp{dp}_{optimizer}")
-        _fault_free[key] = run_fault_free(tmp, pp, dp, steps, optimizer)
+        tmp = tmp_path_factory.mktemp(f"fault_free_pp{pp}dp{dp}_{optimizer}_{data}")
+        _fault_free[key] = run_fault_free(tmp, pp, dp, steps, optimizer, data=data)
     return _fault_free[key]
 
 
 def run_fault_free(
-    tmp: Path, pp: int, dp: int, steps: int, optimizer: str, worker: Path = WORKER, timeout: float = 240.0
+    tmp: Path,
+    pp: int,
+    dp: int,
+    steps: int,
+    optimizer: str,
+    worker: Path = WORKER,
+    timeout: float = 240.0,
+    data: str = "provider",
 ) -> dict[int, dict]:
     """Run the job without a failure in ``tmp``; the final state of every slot."""
-    job = Job(tmp, pp, dp, steps, job_config(), optimizer, respawn=False, timeout=timeout, worker=worker)
+    job = Job(tmp, pp, dp, steps, job_config(), optimizer, respawn=False, timeout=timeout, worker=worker, data=data)
     code = job.start().finish()
     assert code == 0, job.log_tail()
     return final_states(job.records())

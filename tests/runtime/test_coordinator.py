@@ -118,21 +118,46 @@ def test_waitpid_exit_of_a_member_is_published_once_as_a_failure(harness):
     h.request(proto.JOIN, 2)
     h.wait_for_line("refused join request for slot 2 from pid 4242: still a member")
     h.advance((0, 1, 3))
+    h.coordinator.rank_started(2, 1, time.time())  # the respawn
     h.request(proto.JOIN, 2)
     h.wait_for_line("accepted join of slot 2")
     # An exit 0, an exit 75 or a non-member's exit is no failure.
     h.coordinator.rank_exited(RankExit(slot=0, incarnation=0, returncode=0, observed=time.time()))
     h.coordinator.rank_exited(RankExit(slot=1, incarnation=0, returncode=proto.RESTART_EXIT_CODE, observed=time.time()))
-    h.request(proto.LEAVE, 3)
-    h.wait_for_line("accepted leave of slot 3")
-    h.coordinator.rank_exited(RankExit(slot=3, incarnation=0, returncode=-15, observed=time.time()))
-    assert [(c.kind, c.slot) for c in h.pending()] == [(proto.FAILED, 2), (proto.JOIN, 2), (proto.LEAVE, 3)]
+    h.coordinator.rank_exited(RankExit(slot=2, incarnation=0, returncode=-9, observed=time.time()))  # reaped late
+    h.request(proto.LEAVE, 1)
+    h.wait_for_line("accepted leave of slot 1")
+    assert [(c.kind, c.slot) for c in h.pending()] == [(proto.FAILED, 2), (proto.JOIN, 2), (proto.LEAVE, 1)]
     assert h.alerts() == 1
+    # A leaver that dies before its boundary is a failure: its peers may be waiting on it.
+    h.coordinator.rank_exited(RankExit(slot=1, incarnation=0, returncode=-15, observed=time.time()))
+    h.wait_for_line("published failure of slot 1 (signal SIGTERM while leaving) in epoch 1")
+    assert [(c.kind, c.slot) for c in h.pending()][-1] == (proto.FAILED, 1)
+    assert h.alerts() == 2
     # A joiner that dies before its join is decided: failed too, so the admitting decision removes it.
     h.coordinator.rank_exited(RankExit(slot=2, incarnation=1, returncode=-9, observed=time.time()))
-    h.wait_for_line("published failure of slot 2 (signal SIGKILL) in epoch 1")
+    h.wait_for_line("published failure of slot 2 (signal SIGKILL while its join was pending) in epoch 1")
     assert [(c.kind, c.slot) for c in h.pending()][-1] == (proto.FAILED, 2)
-    assert h.alerts() == 2
+    assert h.alerts() == 3
+
+
+def test_a_probe_publishes_members_that_ended_without_a_failure(harness):
+    """A survivor's peer stopped answering and no failure was published: a member that exited 0
+    before the job finished is found by the probe; one whose process runs is not."""
+    h = harness
+    h.coordinator.rank_exited(RankExit(slot=3, incarnation=0, returncode=0, observed=time.time()))
+    h.request(proto.PROBE, 0, token="b" * 32)
+    h.wait_for_line("refused probe request for slot 0 from pid 4242: wrong token")
+    assert h.pending() == [] and h.alerts() == 0
+    h.request(proto.PROBE, 0)
+    line = h.wait_for_line("probe from slot 0 (pid 4242) in epoch 0")
+    assert line.endswith("published failure of ended members [3]"), line
+    assert [(c.kind, c.slot, c.detail) for c in h.pending()] == [(proto.FAILED, 3, "ended while still a member")]
+    assert h.alerts() == 1
+    h.request(proto.PROBE, 1)
+    line = h.wait_for_line("probe from slot 1 (pid 4242) in epoch 0")
+    assert line.endswith("every member's process is running"), line
+    assert h.alerts() == 1
 
 
 def test_stale_heartbeat_is_a_failure_and_the_process_is_killed():
