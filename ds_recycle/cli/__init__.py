@@ -1,0 +1,64 @@
+"""``ds-recycle``: the command-line entry point (``ds-recycle COMMAND`` and ``python -m ds_recycle.cli
+COMMAND`` are the same program).
+
+Subcommands are registered in :data:`COMMANDS` (name -> :class:`~ds_recycle.cli.common.Command`):
+``plan`` (:mod:`ds_recycle.cli.plan`), ``simulate`` (:mod:`ds_recycle.cli.simulate`) and ``launch``
+(:mod:`ds_recycle.runtime.launch_cli`). Only implemented ones are listed, so ``ds-recycle --help``
+never advertises something that does not run.
+
+Exit codes: 0 success, 2 bad arguments (argparse's convention, also used for a failure set that
+leaves a stage without survivors: that needs a checkpoint fallback, not a plan).
+
+A bad argument prints one line, ``ds-recycle COMMAND: error: ...``, naming the argument and the
+allowed values (no usage block, no traceback), and nothing else: every argument, the size limits
+(ds_recycle/planner/limits.py) and the output paths are checked before the long work starts, and
+output files are written to a temporary name and renamed, so a failed run leaves none behind.
+
+Nothing here imports torch or DeepSpeed: ``ds-recycle --help`` and ``ds-recycle plan`` stay fast.
+A command imports what it needs inside its ``run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from ds_recycle.cli import plan, simulate
+from ds_recycle.cli.common import USAGE_ERROR, Command, Parser, UsageError, store_once
+from ds_recycle.runtime import launch_cli
+
+COMMANDS: dict[str, Command] = {
+    "plan": Command(help=plan.HELP, add_arguments=plan.add_arguments, run=plan.run),
+    "launch": Command(help=launch_cli.HELP, add_arguments=launch_cli.add_arguments, run=launch_cli.run),
+    "simulate": Command(help=simulate.HELP, add_arguments=simulate.add_arguments, run=simulate.run),
+}
+"""Every subcommand, in the order ``ds-recycle --help`` lists them."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``ds-recycle`` on ``argv`` (default: the command line); returns the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse already printed its one line to stderr (or the help)
+        return int(exc.code) if isinstance(exc.code, int) else USAGE_ERROR
+    try:
+        return COMMANDS[args.command].run(args)
+    except UsageError as exc:
+        print(f"ds-recycle {args.command}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return USAGE_ERROR
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``ds-recycle`` parser with one subparser per entry of :data:`COMMANDS`."""
+    parser = Parser(prog="ds-recycle", description="ReCycle for DeepSpeed pipelines: plans for failure sets.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=Parser)
+    for name, command in COMMANDS.items():
+        subparser = sub.add_parser(name, help=command.help, description=command.help)
+        command.add_arguments(subparser)
+        store_once(subparser)
+    return parser
+
+
+__all__ = ["COMMANDS", "UsageError", "build_parser", "main"]
