@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ds_recycle.cli.common import Outputs, UsageError, duration, float_in, int_in, shorten
 from ds_recycle.planner.limits import LIMITS, LimitError, check_costs, check_png, check_problem, duration_range
+from ds_recycle.planner.plan import Worker
 
 HELP = "plan one iteration for a failure set: text Gantt, figures, JSON and PNG"
 
@@ -178,12 +179,12 @@ def format_figures(plan) -> str:
 _FAILURE = re.compile(r"^\s*(-?\d{1,9})\s*:\s*(-?\d{1,9})\s*$", re.ASCII)
 
 
-def parse_failures(values: Sequence[str], pipelines: int, stages: int) -> list[tuple[int, int]]:
+def parse_failures(values: Sequence[str], pipelines: int, stages: int) -> list[Worker]:
     """``["0:1", "2:3,1:1"]`` -> ``[(0, 1), (2, 3), (1, 1)]``, checked against the grid; a worker
     named twice is an error."""
     allowed = f"p in 0..{pipelines - 1}, s in 0..{stages - 1}"
-    out: list[tuple[int, int]] = []
-    seen: set[tuple[int, int]] = set()
+    out: list[Worker] = []
+    seen: set[Worker] = set()
     for value in values:
         for item in value.split(","):
             match = _FAILURE.match(item)

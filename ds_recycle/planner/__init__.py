@@ -22,6 +22,7 @@ _LAZY = {
     "relabel": "normalize",
     "invert": "normalize",
     "PlanCache": "cache",
+    "PlanRequest": "request",
     "canonical_failure_sets": "cache",
     "ScheduleOptions": "list_scheduler",
     "SchedulePolicy": "list_scheduler",

@@ -24,6 +24,7 @@ from ds_recycle.planner.list_scheduler import ScheduleOptions
 from ds_recycle.planner.lower_bound import check_survivors
 from ds_recycle.planner.normalize import canonical, invert, relabel
 from ds_recycle.planner.plan import CostModel, Plan, Worker
+from ds_recycle.planner.request import PlanRequest
 
 MAX_RELABELLED = 4096
 
@@ -44,28 +45,17 @@ class PlanCache:
         self.hits = 0
         self.misses = 0
 
-    def key(
-        self,
-        pipelines: int,
-        stages: int,
-        microbatches: int,
-        failed: Iterable[Worker],
-        costs: CostModel | None = None,
-        memory_cap: int | None = None,
-        options: ScheduleOptions = ScheduleOptions(),
-    ) -> tuple[str, list[int]]:
+    def key(self, request: PlanRequest) -> tuple[str, list[int]]:
         """The cache key of a request and the permutation to its canonical labels."""
-        costs = costs or CostModel.uniform(stages)
-        cap = stages if memory_cap is None else memory_cap
-        canon, permutation = canonical(pipelines, stages, failed)
+        canon, permutation = canonical(request.pipelines, request.stages, request.failed)
         key = json.dumps(
             {
-                "topology": [pipelines, stages, microbatches],
-                "costs": costs.to_dict(),
-                "memory_cap": cap,
+                "topology": [request.pipelines, request.stages, request.microbatches],
+                "costs": request.costs.to_dict(),
+                "memory_cap": request.memory_cap,
                 "failed": [list(w) for w in canon],
-                "decoupled": options.decoupled,
-                "staggered": options.staggered,
+                "decoupled": request.options.decoupled,
+                "staggered": request.options.staggered,
                 "solver": self.solver,
             },
             sort_keys=True,
@@ -82,21 +72,8 @@ class PlanCache:
         memory_cap: int | None = None,
         options: ScheduleOptions = ScheduleOptions(),
     ) -> Plan | None:
-        failed = tuple(sorted({(int(p), int(s)) for p, s in failed}))
-        key, permutation = self.key(pipelines, stages, microbatches, failed, costs, memory_cap, options)
-        mapped = self.relabelled.get((key, failed))
-        if mapped is not None:
-            self.hits += 1
-            return mapped
-        plan = self.memory.get(key)
-        if plan is None and self.path is not None:
-            plan = self._load(key)
-            if plan is not None:
-                self.memory[key] = plan
-        if plan is None:
-            return None
-        self.hits += 1
-        return self._remember(key, failed, _to_labels(plan, permutation, failed))
+        """The cached plan for this request, or None."""
+        return self._get(PlanRequest(pipelines, stages, microbatches, failed, costs, memory_cap, options))
 
     def get_or_plan(
         self,
@@ -109,27 +86,43 @@ class PlanCache:
         options: ScheduleOptions = ScheduleOptions(),
     ) -> Plan:
         """The cached plan for this request, planning (and storing) it on a miss."""
-        failed = tuple(sorted({(int(p), int(s)) for p, s in failed}))
-        plan = self.get(pipelines, stages, microbatches, failed, costs, memory_cap, options)
+        request = PlanRequest(pipelines, stages, microbatches, failed, costs, memory_cap, options)
+        plan = self._get(request)
         if plan is not None:
             return plan
         self.misses += 1
-        check_survivors(pipelines, stages, failed)
-        key, permutation = self.key(pipelines, stages, microbatches, failed, costs, memory_cap, options)
+        check_survivors(request.pipelines, request.stages, request.failed)
+        key, permutation = self.key(request)
         canon = json.loads(key)["failed"]
         plan = self.planner(
-            pipelines,
-            stages,
-            microbatches,
+            request.pipelines,
+            request.stages,
+            request.microbatches,
             [tuple(w) for w in canon],
-            costs=costs,
-            memory_cap=memory_cap,
-            options=options,
+            costs=request.costs,
+            memory_cap=request.memory_cap,
+            options=request.options,
         )
         self.memory[key] = plan
         if self.path is not None:
             self._store(key, plan)
-        return self._remember(key, failed, _to_labels(plan, permutation, failed))
+        return self._remember(key, request.failed, _to_labels(plan, permutation, request.failed))
+
+    def _get(self, request: PlanRequest) -> Plan | None:
+        key, permutation = self.key(request)
+        mapped = self.relabelled.get((key, request.failed))
+        if mapped is not None:
+            self.hits += 1
+            return mapped
+        plan = self.memory.get(key)
+        if plan is None and self.path is not None:
+            plan = self._load(key)
+            if plan is not None:
+                self.memory[key] = plan
+        if plan is None:
+            return None
+        self.hits += 1
+        return self._remember(key, request.failed, _to_labels(plan, permutation, request.failed))
 
     def _remember(self, key: str, failed: tuple[Worker, ...], plan: Plan) -> Plan:
         if len(self.relabelled) >= MAX_RELABELLED:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 
 from ds_recycle.planner.list_scheduler import (
     Assignment,
@@ -30,9 +31,10 @@ from ds_recycle.planner.list_scheduler import (
     SchedulePolicy,
     list_schedule,
 )
-from ds_recycle.planner.lower_bound import check_survivors, lower_bound
+from ds_recycle.planner.lower_bound import bound_parts
 from ds_recycle.planner.normalize import canonical, invert, relabel
 from ds_recycle.planner.plan import CostModel, Op, Plan, Worker
+from ds_recycle.planner.request import PlanRequest
 from ds_recycle.planner.simulate import retime_and_simulate
 
 POLICIES: dict[str, SchedulePolicy] = {
@@ -114,26 +116,17 @@ def plan_heuristic(
     fallback") and ValueError for a bad topology, failure or memory cap.
     """
     began = time.perf_counter()
-    D, P, m = pipelines, stages, microbatches
-    if D < 1 or P < 1 or m < 1:
-        raise ValueError(f"pipelines={D}, stages={P}, microbatches={m} must all be >= 1")
-    costs = costs or CostModel.uniform(P)
-    if costs.stages != P:
-        raise ValueError(f"cost model has {costs.stages} stages, the topology has {P}")
-    cap = P if memory_cap is None else memory_cap
-    if cap < 1:
-        raise ValueError(f"memory_cap={cap}: a worker must be able to hold at least 1 micro-batch")
-    failed = tuple(sorted({(int(p), int(s)) for p, s in failed}))
-    check_survivors(D, P, failed)
-    bound = lower_bound(D, P, m, failed, costs, cap)
+    request = PlanRequest(pipelines, stages, microbatches, failed, costs, memory_cap, options)
+    bound = bound_parts(request).value  # raises NoSurvivorError
 
-    key, permutation = canonical(D, P, failed)
-    workers, chosen = _best_schedule(D, P, m, key, costs, cap, options, bound, budget_ops)
-    plan = Plan(D, P, m, key, costs, cap, workers, solver="heuristic")
+    D, P = request.pipelines, request.stages
+    key, permutation = canonical(D, P, request.failed)
+    workers, chosen = _best_schedule(replace(request, failed=key), bound, budget_ops)
+    plan = Plan(D, P, request.microbatches, key, request.costs, request.memory_cap, workers, solver="heuristic")
     plan.extra.update({"decoupled": options.decoupled, "staggered": options.staggered, "candidate": chosen["name"]})
     plan, result = retime_and_simulate(plan, iterations=iterations)
     plan = relabel(plan, invert(permutation))
-    plan.failed = failed
+    plan.failed = request.failed
     plan.lower_bound = bound
     plan.steady_state_period = result.steady_state_period
     plan.solve_seconds = time.perf_counter() - began
@@ -187,15 +180,15 @@ def candidates(
     return out
 
 
-def _best_schedule(D, P, m, failed, costs, cap, options, bound, budget_ops):
-    ops_per_run = 3 * D * P * m
-    limit = max(2, budget_ops // max(1, ops_per_run))
+def _best_schedule(request: PlanRequest, bound: float, budget_ops: int) -> tuple[dict[Worker, list[Op]], dict]:
+    D, P, m, cap = request.pipelines, request.stages, request.microbatches, request.memory_cap
+    limit = max(2, budget_ops // max(1, 3 * D * P * m))
     best = None
-    for tried, (name, assignment, policy) in enumerate(candidates(D, P, m, failed)):
+    for tried, (name, assignment, policy) in enumerate(candidates(D, P, m, request.failed)):
         if tried >= limit:
             break
         try:
-            workers = list_schedule(D, P, m, assignment, costs, cap, options, policy=policy)
+            workers = list_schedule(D, P, m, assignment, request.costs, cap, request.options, policy=policy)
         except ValueError:
             continue  # this policy got stuck; others may not
         makespan = _makespan(workers)

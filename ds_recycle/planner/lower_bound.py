@@ -62,6 +62,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ds_recycle.planner.plan import CostModel, Worker
+from ds_recycle.planner.request import PlanRequest
 
 
 class NoSurvivorError(ValueError):
@@ -133,13 +134,15 @@ def lower_bound_parts(
     memory_cap: int | None = None,
 ) -> BoundParts:
     """:func:`lower_bound` split into its three bounds."""
-    costs = costs or CostModel.uniform(stages)
-    cap = stages if memory_cap is None else memory_cap
-    if cap < 1:
-        raise ValueError(f"memory_cap={cap}: a worker must be able to hold at least 1 micro-batch")
-    f_per_stage = check_survivors(pipelines, stages, failed)
-    bound = _bound(pipelines, stages, microbatches, f_per_stage, costs, cap)
-    fault_free = _bound(pipelines, stages, microbatches, dict.fromkeys(range(stages), 0), costs, cap)
+    return bound_parts(PlanRequest(pipelines, stages, microbatches, failed, costs, memory_cap))
+
+
+def bound_parts(request: PlanRequest) -> BoundParts:
+    """:func:`lower_bound_parts` of a :class:`PlanRequest` (its schedule options do not matter)."""
+    D, P, m, costs, cap = request.pipelines, request.stages, request.microbatches, request.costs, request.memory_cap
+    f_per_stage = check_survivors(D, P, request.failed)
+    bound = _bound(D, P, m, f_per_stage, costs, cap)
+    fault_free = _bound(D, P, m, dict.fromkeys(range(P), 0), costs, cap)
     return BoundParts(*(max(a, b) for a, b in zip(bound, fault_free, strict=True)))
 
 

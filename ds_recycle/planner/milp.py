@@ -63,7 +63,6 @@ OpKey = tuple[str, int, int, int]
 Triple = tuple[int, int, int]
 """``(home, mb, stage)``."""
 
-_KIND_RANK = {FORWARD: 0, BACKWARD_INPUT: 1, BACKWARD_WEIGHT: 2}
 _EPS = 1e-6
 
 

@@ -35,10 +35,6 @@ class Op(NamedTuple):
     start: float = 0.0
     end: float = 0.0
 
-    @property
-    def microbatch(self) -> tuple[int, int]:
-        return (self.home, self.mb)
-
     def label(self) -> str:
         if self.kind == STEP:
             return f"S(stage {self.stage})"

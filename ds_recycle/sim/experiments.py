@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ds_recycle.planner.cache import PlanCache
+from ds_recycle.planner.plan import Worker
 from ds_recycle.sim.bamboo import Bamboo, BambooParams
 from ds_recycle.sim.checkpoint import CheckpointParams, CheckpointRestart
 from ds_recycle.sim.job import LLAMA3_RATE_PER_GPU_DAY, Job
@@ -53,7 +54,7 @@ def make_system(name: str, job: Job, params: SystemParams, clock_offset: float =
     raise ValueError(f"unknown system {name!r}: one of {', '.join(SYSTEMS)}")
 
 
-def placement_workers(pipelines: int, stages: int, failures: int, placement: str) -> list[tuple[int, int]]:
+def placement_workers(pipelines: int, stages: int, failures: int, placement: str) -> list[Worker]:
     """The ``failures`` failed workers ``(pipeline, stage)`` of a placement.
 
     - ``spread``: failure ``j`` at pipeline ``j``, stage ``j mod P`` (distinct pipelines; distinct
@@ -78,7 +79,7 @@ def placement_workers(pipelines: int, stages: int, failures: int, placement: str
 @dataclass
 class SweepRow:
     failures: int
-    failed: list[tuple[int, int]]
+    failed: list[Worker]
     runs: dict[str, Run]
     steady: dict[str, float]
     """Samples/s each system runs at once the failure has been handled."""
@@ -194,7 +195,7 @@ def sweep(
     return Study("sweep", config, total, rows)
 
 
-def _recycle_references(system: Recycle, failed: list[tuple[int, int]]) -> dict[str, float | str | None]:
+def _recycle_references(system: Recycle, failed: list[Worker]) -> dict[str, float | str | None]:
     """ReCycle's plan against its references: the lower bound on the iteration time (from idle)
     and the rerouting-only ablation (1F1B with a fused backward, synchronous step)."""
     job = system.job

@@ -22,10 +22,11 @@ from ds_recycle.planner.heuristic import plan_heuristic
 from ds_recycle.planner.limits import LIMITS
 from ds_recycle.planner.list_scheduler import ScheduleOptions
 from ds_recycle.planner.lower_bound import lower_bound
+from ds_recycle.planner.plan import Worker
 from ds_recycle.sim.job import Job
 from ds_recycle.sim.timeline import CheckpointClock, Phase
 
-Failed = tuple[tuple[int, int], ...]
+Failed = tuple[Worker, ...]
 
 REROUTING_ONLY = ScheduleOptions(decoupled=False, staggered=False)
 
@@ -140,13 +141,13 @@ class Recycle:
         period = self.period(self.failed())
         return 0.0 if period is None else self.job.global_batch / period * self.job.checkpoint_efficiency
 
-    def period(self, failed: Sequence[tuple[int, int]]) -> float | None:
+    def period(self, failed: Sequence[Worker]) -> float | None:
         """Steady-state seconds per iteration for ``failed``, or None when ReCycle cannot run it
         (a stage without survivor, or no plan under the memory cap)."""
         figures = self.figures(failed)
         return None if figures is None else figures[0]
 
-    def figures(self, failed: Sequence[tuple[int, int]]) -> tuple[float, float, str] | None:
+    def figures(self, failed: Sequence[Worker]) -> tuple[float, float, str] | None:
         """(steady-state period, iteration time from idle, source) in seconds for ``failed``;
         source is ``plan`` or ``bound`` (above ``max_plan_ops``, both figures are the bound)."""
         job = self.job
@@ -175,12 +176,12 @@ class Recycle:
         self.sources.add("plan")
         return self._periods[key]
 
-    def bound_period(self, failed: Sequence[tuple[int, int]]) -> float:
+    def bound_period(self, failed: Sequence[Worker]) -> float:
         """The planner's lower bound on the iteration time (from idle), in seconds."""
         job = self.job
         return lower_bound(job.pipelines, job.stages, job.microbatches, failed, job.layout.costs, self.memory_cap) / 1e3
 
-    def rerouting_only_period(self, failed: Sequence[tuple[int, int]]) -> float | None:
+    def rerouting_only_period(self, failed: Sequence[Worker]) -> float | None:
         """The ablation without ReCycle's schedule: the same re-routing planned with the fused
         backward of stock 1F1B and a synchronous step (no W in the bubbles, no staggered step).
         With no failure it is the stock 1F1B iteration."""
