@@ -19,6 +19,7 @@ import functools
 import hashlib
 import os
 import time
+from collections.abc import Callable
 from types import MethodType
 
 import torch
@@ -106,6 +107,10 @@ class RecyclePipelineEngine(PipelineEngine):
         self.forward_ledger: list[tuple[int, int, int, int]] | None = None
         """Set to a list to record (iteration, home, mb, stage) of every F this worker runs."""
         self.monitors: list[Monitor] = []
+        self.rejoin_client_state: Callable[[], object] | None = None
+        """Set by a training loop above the engine: its state, sent to a joiner with the engine's."""
+        self.received_client_state: object = None
+        """In a joiner: the ``rejoin_client_state()`` of the replica it copied its state from."""
         self.membership_changes: list[MembershipChange] = []
         self.agent = membership_agent()
         self.plan_cache = PlanCache()

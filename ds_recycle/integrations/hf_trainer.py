@@ -24,6 +24,7 @@ How it runs:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -36,13 +37,17 @@ from deepspeed.runtime.pipe.module import PipelineModule
 from torch.utils.data import DataLoader, Dataset
 from transformers import PretrainedConfig, PreTrainedModel, Trainer, TrainingArguments
 from transformers.integrations import WandbCallback
-from transformers.trainer_callback import ProgressCallback
+from transformers.trainer_callback import ExportableState, ProgressCallback, TrainerState
+from transformers.utils import logging as hf_logging
 
 from ds_recycle.config import RecycleConfig, RecycleConfigError, WandbMonitorConfig
 from ds_recycle.integrations.hf_model import causal_lm_pipeline, load_hf_state_dict, pipeline_batch, to_hf_state_dict
 from ds_recycle.integrations.wandb import share_run_through_environment
 
 AUTO = "auto"
+_JOINED = "<re-joined a running job>"
+"""Stands for a checkpoint in Trainer's loop: a joiner skips the steps trained before it joined."""
+logger = hf_logging.get_logger(__name__)
 SAFE_INDEX = "model.safetensors.index.json"
 
 
@@ -283,7 +288,121 @@ class RecycleTrainer(Trainer):
 
     # ---- engine -------------------------------------------------------------------------------
 
+    def _init_training_state(
+        self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+    ) -> tuple[int, int]:
+        """As Trainer's; in a process that re-joins a running job (a respawn under ``ds-recycle
+        launch``), the engine is made here, so that the loop starts where the job is."""
+        trained = super()._init_training_state(
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+        )
+        from ds_recycle.runtime.distributed import membership_agent
+
+        agent = membership_agent()
+        if agent is None or not agent.is_joiner:
+            self._joined = False
+            return trained
+        self._start_engine(max_steps)
+        self._joined = True
+        return self._take_up_job(max_steps, num_update_steps_per_epoch, num_train_epochs, trial)
+
+    def _take_up_job(self, max_steps, num_update_steps_per_epoch, num_train_epochs, trial) -> tuple[int, int]:
+        """The Trainer's state follows the engine this process joined: the replica's TrainerState
+        (log history, flos, callbacks' state), the global step and epoch of the engine, and the
+        position in the data (the loop skips the ticks of the steps already trained)."""
+        received = self.engine.received_client_state or {}
+        if "trainer_state" in received:
+            self.state = TrainerState(**json.loads(received["trainer_state"]))
+            self.state.init_training_references(self, max_steps, num_train_epochs, trial)
+        for callback in self.callback_handler.callbacks + [self.control]:
+            stored = received.get("callbacks", {}).get(type(callback).__name__)
+            if isinstance(callback, ExportableState) and stored is not None:
+                for name, value in stored.get("attributes", {}).items():
+                    setattr(callback, name, value)
+        step = self.engine.global_steps
+        self._join_step = received.get("step")
+        self.state.global_step = step
+        self.state.epoch = step / num_update_steps_per_epoch
+        logger.info(
+            f"RecycleTrainer: re-joined at step {step} (epoch {self.state.epoch:.2f}); the Trainer continues from there"
+        )
+        return step // num_update_steps_per_epoch, (
+            step % num_update_steps_per_epoch
+        ) * self.args.gradient_accumulation_steps
+
+    def _run_epoch(self, *args, **kwargs):
+        """A joiner skips the ticks of the steps trained before it joined, as a resumed run does,
+        and first ends the step it joined at as every other rank does (log, save, callbacks)."""
+        if getattr(self, "_joined", False) and kwargs.get("resume_from_checkpoint") is None:
+            kwargs["resume_from_checkpoint"] = _JOINED
+            if getattr(self, "_join_step", None) is not None:
+                self._end_join_step(kwargs)
+        return super()._run_epoch(*args, **kwargs)
+
+    def _end_join_step(self, loop: dict) -> None:
+        """The step a joiner was admitted at ended on the others after the admission: its loss
+        is still to be logged (by the leader, which may be this process) and its checkpoint to be
+        saved (a collective of every rank). Do here what the others do at the end of that step."""
+        pending = self._join_step
+        self._join_step = None
+        self._tr_loss = torch.tensor(pending["tr_loss"], device=self.args.device)
+        self._globalstep_last_logged = pending["last_logged"]
+        self._step_lr = pending["learning_rate"]
+        self.control = self.callback_handler.on_step_end(self.args, self.state, self.control)
+        grad_norm = pending["grad_norm"]
+        self._maybe_log_save_evaluate(
+            self._tr_loss,
+            grad_norm,
+            self.model_wrapped,
+            loop.get("trial"),
+            loop.get("epoch"),
+            loop.get("ignore_keys_for_eval"),
+            loop.get("start_time"),
+            learning_rate=pending["learning_rate"],
+        )
+
+    def _load_rng_state(self, checkpoint) -> None:
+        if checkpoint is not _JOINED:
+            super()._load_rng_state(checkpoint)
+
+    def _client_state(self) -> dict:
+        """What a joiner takes up from this process (``engine.rejoin_client_state``)."""
+        callbacks = {
+            type(c).__name__: c.state()
+            for c in self.callback_handler.callbacks + [self.control]
+            if isinstance(c, ExportableState)
+        }
+        # Called inside train_batch, at the boundary after the joiner's admission step, before this
+        # Trainer counts, logs and saves that step: the joiner ends it from what it gets here.
+        step = {
+            "tr_loss": float(self._tr_loss) + float(self.engine.agg_train_loss),
+            "last_logged": self._globalstep_last_logged,
+            "learning_rate": self._get_learning_rate(),
+            "grad_norm": self._get_grad_norm(self.model_wrapped),
+        }
+        return {"trainer_state": json.dumps(dataclasses.asdict(self.state)), "callbacks": callbacks, "step": step}
+
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        if self.engine is None:
+            self._start_engine(max_steps)
+        engine = self.engine
+        if resume_from_checkpoint is not None:
+            path, _ = engine.load_checkpoint(resume_from_checkpoint)
+            if path is None:
+                raise FileNotFoundError(f"no DeepSpeed checkpoint (latest, global_step*/) in {resume_from_checkpoint}")
+            if engine.global_steps != self.state.global_step:
+                raise RuntimeError(
+                    f"{resume_from_checkpoint}: the DeepSpeed checkpoint is at step {engine.global_steps} but "
+                    f"trainer_state.json at step {self.state.global_step}"
+                )
+        self.state.is_world_process_zero = self.is_world_process_zero()
+        for attr in ("model", "optimizer", "lr_scheduler"):
+            setattr(self.callback_handler, attr, getattr(self, attr))
+        self.callback_handler.train_dataloader = train_dataloader
+        return engine, train_dataloader
+
+    def _start_engine(self, max_steps: int) -> None:
+        """The ReCycle engine (in a joiner: admitted, holding a live replica's state)."""
         import ds_recycle
 
         if self._created_lr_scheduler:
@@ -320,20 +439,8 @@ class RecycleTrainer(Trainer):
         # The engine steps both; Trainer's calls become no-ops.
         self.optimizer = _EngineOwned(engine_optimizer)
         self.lr_scheduler = _EngineOwned(engine_scheduler) if engine_scheduler is not None else _ConstantLR(engine)
-        if resume_from_checkpoint is not None:
-            path, _ = engine.load_checkpoint(resume_from_checkpoint)
-            if path is None:
-                raise FileNotFoundError(f"no DeepSpeed checkpoint (latest, global_step*/) in {resume_from_checkpoint}")
-            if engine.global_steps != self.state.global_step:
-                raise RuntimeError(
-                    f"{resume_from_checkpoint}: the DeepSpeed checkpoint is at step {engine.global_steps} but "
-                    f"trainer_state.json at step {self.state.global_step}"
-                )
-        self.state.is_world_process_zero = self.is_world_process_zero()
-        for attr in ("model", "optimizer", "lr_scheduler"):
-            setattr(self.callback_handler, attr, getattr(self, attr))
-        self.callback_handler.train_dataloader = train_dataloader
-        return engine, train_dataloader
+        if hasattr(engine, "rejoin_client_state"):
+            engine.rejoin_client_state = self._client_state
 
     def _share_wandb_run(self, config: Mapping) -> None:
         """HF's ``WandbCallback`` opens the run of ``recycle.monitor.wandb`` (its id, project and

@@ -32,6 +32,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--respawn-delay", type=float, default=1.0, metavar="S", help="seconds before a respawn (default 1)"
     )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="respawn a rank that keeps failing soon after its start at most N times in a row (default: no cap); "
+        "the delay doubles with each such failure",
+    )
     parser.add_argument("--timeout", type=float, default=None, metavar="S", help="kill everything after S seconds")
     parser.add_argument("--log-dir", default=None, metavar="DIR", help="write rank<R>.log here (default: stdout)")
     parser.add_argument("--host", default="127.0.0.1", help="address the store listens on (default loopback)")
@@ -80,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         nproc=args.nproc,
         respawn=args.respawn,
         respawn_delay=args.respawn_delay,
+        max_restarts=args.max_restarts,
         timeout=args.timeout,
         log_dir=None if args.log_dir is None else Path(args.log_dir),
         host=args.host,
@@ -103,6 +112,8 @@ def _validate(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if not value >= 0:  # also catches nan
             raise error(f"--{name.replace('_', '-')} {value:g}: must be >= 0 seconds")
+    if args.max_restarts is not None and args.max_restarts < 0:
+        raise error(f"--max-restarts {args.max_restarts}: must be an integer >= 0 (leave it out for no cap)")
     if not args.heartbeat_factor > 0:
         raise error(f"--heartbeat-factor {args.heartbeat_factor:g}: must be > 0")
     if args.timeout is not None and not args.timeout > 0:

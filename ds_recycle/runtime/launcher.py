@@ -6,7 +6,7 @@ end on its own, can start a rank that ended again (``respawn``) so that it re-jo
 whole run by a timeout. It kills only the processes it started: each rank runs in its own session,
 so a rank's children go with it.
 
-:class:`Launcher` runs one job (``ds-recycle launch``, docs/launch.md); :func:`launch` is the
+:class:`Launcher` runs one job (``ds-recycle launch``, docs/runtime.md); :func:`launch` is the
 programmatic form the tests use. The launcher:
 
 - hosts a TCPStore (the store ``env://`` rendezvous and the ReCycle coordinator both use) and writes
@@ -18,7 +18,8 @@ programmatic form the tests use. The launcher:
 
 Exit rules: the job is *finished* when a rank that is still a member exits 0 (it completed
 training); there are no respawns after that. With ``respawn``, a rank that ends before the job is
-finished is started again after ``respawn_delay`` with its incarnation + 1. A rank exiting with
+finished is started again after ``respawn_delay`` with its incarnation + 1; one that keeps failing
+soon after its start waits twice as long each time, and is given up past ``max_restarts``. A rank exiting with
 ``RESTART_EXIT_CODE`` asks for a restart of the whole job from its checkpoint: once every rank has
 ended, all ranks start again in generation + 1 (with ``respawn``), or the launcher ends (without).
 The exit code is 0 iff the job finished and every rank that was a member at the end exited 0;
@@ -64,10 +65,6 @@ class RankResult:
         return self.returncode == 0
 
 
-class LaunchTimeout(RuntimeError):
-    pass
-
-
 @dataclass(frozen=True)
 class LaunchConfig:
     """Everything ``ds-recycle launch`` takes; validated by the CLI before anything starts."""
@@ -90,6 +87,13 @@ class LaunchConfig:
     """Seconds between SIGTERM and SIGKILL when the launcher stops ranks."""
     restart_grace: float = 60.0
     """After a rank asked for a restart, how long the others get to end before they are killed."""
+    max_restarts: int | None = None
+    """Respawns of a slot that keeps failing soon after its start (None: no cap). A slot past it is
+    not started again and the job goes on without it."""
+    stable_seconds: float = 60.0
+    """A process that ran this long before it failed ends its slot's run of quick failures."""
+    max_backoff: float = 60.0
+    """The respawn delay doubles with each quick failure in a row, up to this many seconds."""
 
 
 @dataclass
@@ -102,6 +106,11 @@ class _Slot:
     respawn_at: float | None = None
     """monotonic time at which a respawn is due."""
     killed_at_timeout: bool = False
+    started_at: float = 0.0
+    """monotonic time of the current process's start."""
+    quick_failures: list[str] = field(default_factory=list)
+    """How each failure in a row ended, of processes that failed within ``stable_seconds``."""
+    given_up: bool = False
 
     @property
     def running(self) -> bool:
@@ -216,6 +225,7 @@ class Launcher:
                 proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         with self._procs_lock:
             s.proc = proc
+            s.started_at = time.monotonic()
         self.coordinator.rank_started(s.slot, s.incarnation, started)
         self.log(f"rank {s.slot} pid {proc.pid} started")
         if s.incarnation > 0:
@@ -302,7 +312,34 @@ class Launcher:
             self.finished = True
             self.log(f"rank {s.slot} completed training: the job is finished, no more respawns")
         if self.config.respawn and not self.finished:
-            s.respawn_at = time.monotonic() + self.config.respawn_delay
+            self._schedule_respawn(s, code)
+
+    def _schedule_respawn(self, s: _Slot, code: int) -> None:
+        """Respawn after ``respawn_delay``; a slot that fails again soon after its start waits
+        twice as long each time (up to ``max_backoff``) and, past ``max_restarts``, is given up."""
+        config = self.config
+        lived = time.monotonic() - s.started_at
+        if code == 0 or lived >= config.stable_seconds:
+            s.quick_failures = []
+        else:
+            s.quick_failures.append(describe_returncode(code))
+        failures = len(s.quick_failures)
+        if config.max_restarts is not None and failures > config.max_restarts:
+            s.given_up = True
+            self.log(
+                f"rank {s.slot} failed {failures} times in a row, each within {config.stable_seconds:g} s of its start "
+                f"({', '.join(s.quick_failures)}): not respawning it again (--max-restarts {config.max_restarts}); "
+                "the job goes on without it"
+            )
+            return
+        delay = config.respawn_delay * 2 ** max(0, failures - 1)
+        delay = min(delay, max(config.max_backoff, config.respawn_delay))
+        if failures >= 2:
+            self.log(
+                f"rank {s.slot} failed again {lived:.1f} s after its start ({failures} failures in a row: "
+                f"{', '.join(s.quick_failures)}); respawning it in {delay:g} s"
+            )
+        s.respawn_at = time.monotonic() + delay
 
     def _end_stragglers(self, running: list[_Slot]) -> None:
         """Once finished, a process that is not a member (a joiner nobody will admit) is stopped."""

@@ -4,6 +4,8 @@ the two identical, in the new epoch's world, never from a checkpoint.
 What travels: the module's state dict (parameters and buffers), the optimizer state, the LR
 scheduler state and the engine's counters (``global_steps``, ``global_samples``, ``micro_steps``,
 ``skipped_steps``). The data position is ``global_steps``: micro-batch data is keyed by iteration.
+A training loop above the engine (the HF Trainer) sends its own state along: the replica's
+``engine.rejoin_client_state()`` (picklable) arrives as the joiner's ``engine.received_client_state``.
 
 Each (source, joiner) pair gets a two-rank group; every member creates the pairs' groups in the
 same order, whether or not it takes part in a transfer.
@@ -44,6 +46,7 @@ def _copy(engine, group, src_rank: int, sending: bool) -> None:
             "counters": {name: getattr(engine, name) for name in COUNTERS},
             "lr_scheduler": None if engine.lr_scheduler is None else engine.lr_scheduler.state_dict(),
             "optimizer": _skeleton(optimizer.state_dict()),
+            "client": None if engine.rejoin_client_state is None else engine.rejoin_client_state(),
         }
     dist.broadcast_object_list(header, src=src_rank, group=group)
     header = header[0]
@@ -57,6 +60,7 @@ def _copy(engine, group, src_rank: int, sending: bool) -> None:
         dist.broadcast(tensor, src=src_rank, group=group)
     if not sending:
         optimizer.load_state_dict(optimizer_state)
+        engine.received_client_state = header["client"]
         if header["lr_scheduler"] is not None:
             engine.lr_scheduler.load_state_dict(header["lr_scheduler"])
         for name, value in header["counters"].items():

@@ -1,6 +1,11 @@
-"""examples/hf_trainer_llama.py with one rank SIGKILLed: rank ``HF_KILL_RANK`` kills itself
-``HF_KILL_DELAY`` seconds after Trainer step ``HF_KILL_AFTER`` ends (a callback added to every
-``RecycleTrainer``). Same arguments as the example."""
+"""examples/hf_trainer_llama.py with a callback added to every ``RecycleTrainer``, same arguments.
+
+- ``HF_KILL_RANK``: rank ``HF_KILL_RANK`` kills itself ``HF_KILL_DELAY`` seconds after Trainer step
+  ``HF_KILL_AFTER`` ends.
+- ``HF_PROGRESS_DIR``: each rank writes its Trainer step to ``progress<rank>`` after every step, and
+  waits at the step's end while ``hold`` there names a step it has reached (the test's pacing: a
+  respawned rank re-joins before the job ends), as tests/runtime/membership_worker.py does.
+"""
 
 from __future__ import annotations
 
@@ -30,14 +35,37 @@ class KillAfterStep(TrainerCallback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class ProgressAndHold(TrainerCallback):
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.rank = int(os.environ["RANK"])
+
+    def on_step_end(self, args, state, control, **kwargs):
+        partial = self.out / f"progress{self.rank}.partial"
+        partial.write_text(str(state.global_step))
+        os.replace(partial, self.out / f"progress{self.rank}")
+        while (held := _held_at(self.out / "hold")) is not None and state.global_step >= held:
+            time.sleep(0.01)
+
+
+def _held_at(hold: Path) -> int | None:
+    try:
+        return int(hold.read_text())
+    except FileNotFoundError:
+        return None
+
+
 def main() -> None:
     init = RecycleTrainer.__init__
 
-    def with_kill(self, *args, **kwargs):
+    def with_callbacks(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        self.add_callback(KillAfterStep())
+        if "HF_KILL_RANK" in os.environ:
+            self.add_callback(KillAfterStep())
+        if "HF_PROGRESS_DIR" in os.environ:
+            self.add_callback(ProgressAndHold(Path(os.environ["HF_PROGRESS_DIR"])))
 
-    RecycleTrainer.__init__ = with_kill
+    RecycleTrainer.__init__ = with_callbacks
     sys.argv = [str(EXAMPLE), *sys.argv[1:]]
     runpy.run_path(str(EXAMPLE), run_name="__main__")
 

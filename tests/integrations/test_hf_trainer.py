@@ -6,6 +6,8 @@ parameters of the uninterrupted run bit for bit, and ``save_model`` output loads
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -22,11 +24,9 @@ WORLD = 4
 TIMEOUT = 240
 
 
-def run_example(
-    out: Path, *extra: str, wandb: bool = False, script: Path = EXAMPLE, env: dict | None = None, dead=()
-) -> dict[int, dict]:
-    argv = [
-        str(script),
+def example_arguments(out: Path, *extra: str, wandb: bool = False) -> list[str]:
+    """The README's HF command at a small size."""
+    return [
         "--deepspeed", str(DS_CONFIG),
         "--output_dir", str(out),
         "--max_steps", str(STEPS),
@@ -46,10 +46,18 @@ def run_example(
         "--dump_params", str(out / "dump"),
         *extra,
     ]  # fmt: skip
-    env = {"WANDB_MODE": "offline" if wandb else "disabled", "WANDB_DIR": str(out), "WANDB_SILENT": "true"} | (
-        env or {}
-    )
-    env |= {"WANDB_DISABLE_GIT": "true", "WANDB_DISABLE_CODE": "true", "WANDB_CONSOLE": "off"}
+
+
+def hf_environment(out: Path, wandb: bool = False) -> dict[str, str]:
+    env = {"WANDB_MODE": "offline" if wandb else "disabled", "WANDB_DIR": str(out), "WANDB_SILENT": "true"}
+    return env | {"WANDB_DISABLE_GIT": "true", "WANDB_DISABLE_CODE": "true", "WANDB_CONSOLE": "off"}
+
+
+def run_example(
+    out: Path, *extra: str, wandb: bool = False, script: Path = EXAMPLE, env: dict | None = None, dead=()
+) -> dict[int, dict]:
+    argv = [str(script), *example_arguments(out, *extra, wandb=wandb)]
+    env = hf_environment(out, wandb) | (env or {})
     with pytest.MonkeyPatch.context() as patch:
         patch.delenv("WANDB_SERVICE", raising=False)  # ranks must start their own wandb-core
         results = launch(argv, world_size=WORLD, timeout=TIMEOUT, log_dir=out / "logs", env=env)
@@ -174,3 +182,42 @@ def test_killing_rank_0_keeps_the_fault_free_math_and_the_wandb_run(runs, tmp_pa
     assert event["recycle/live_workers/stage_0"] == 1 and event["recycle/event/recovery_s"] > 0
     assert [r["train/global_step"] for r in after if "train/loss" in r] == list(range(3, STEPS + 1))
     assert [r["train/global_step"] for r in after if "recycle/iteration_time_s" in r] == list(range(3, STEPS + 1))
+
+
+@pytest.mark.parametrize("killed", [2, 0], ids=["rank2", "leader"])
+def test_a_killed_rank_rejoins_and_the_trainer_takes_up_the_job(runs, tmp_path, killed):
+    """The README's command under ``ds-recycle launch --respawn``: rank ``killed`` is SIGKILLed from
+    outside after step 2; the survivors wait at step 3 until its respawn's join is accepted; it
+    re-joins (the Trainer takes up the engine's step, epoch, data position, LR and log
+    history), and every rank ends with the fault-free parameters and the fault-free logged losses."""
+    from recycle_job import Job
+
+    out = tmp_path / "rejoin"
+    argv = [str(HERE / "hf_kill_worker.py"), *example_arguments(out)]
+    job = Job(tmp_path, 2, 2, STEPS, {}, argv=argv, timeout=TIMEOUT, env=hf_environment(out))
+    job.env["HF_PROGRESS_DIR"] = str(job.out)
+    job.start()
+    try:
+        job.wait_until(lambda: job.progress(killed) >= 2, f"rank {killed} at step 2", timeout=180)
+        job.hold(3)
+        os.kill(job.pids[killed], signal.SIGKILL)
+        job.wait_for_line(rf"published failure of slot {killed} ")
+        job.wait_for_line(rf"accepted join of slot {killed} ", timeout=180)
+        job.hold(None)
+    except BaseException:
+        job.kill()
+        raise
+    assert job.finish() == 0, job.log_tail()
+    assert job.count(rf"rank {killed} respawned") == 1, "one respawn, no crash loop"
+    assert job.count_in_rank_logs(r"RecycleTrainer: re-joined at step \d+") == 1, job.log_tail()
+    _, full = runs["full"]
+    reference = [(h["step"], h["loss"]) for h in full[0]["log_history"] if "loss" in h]
+    for rank in range(WORLD):
+        dump = torch.load(out / "dump" / f"rank{rank}.pt")
+        assert dump["global_step"] == STEPS and dump["leader"] == (rank == 0)  # the lowest live rank leads
+        for name, value in full[rank]["params"].items():
+            torch.testing.assert_close(dump["params"][name], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+        logged = [(h["step"], h["loss"]) for h in dump["log_history"] if "loss" in h]
+        assert [step for step, _ in logged] == list(range(1, STEPS + 1)), f"rank {rank}: {logged}"
+        for (step, loss), (_, want) in zip(logged, reference, strict=True):
+            assert loss == pytest.approx(want, rel=1e-5), f"rank {rank} step {step}"

@@ -54,6 +54,9 @@ class Job:
     """``training_data``: ``provider`` or ``dataset`` (map-style)."""
     helpers: bool = False
     """Each rank starts helper processes (DataLoader workers, a forked process) as scripts do."""
+    argv: list[str] | None = None
+    """Another rank script and its arguments (it writes ``out/progress<slot>`` and honours ``out/hold``)."""
+    env: dict[str, str] = field(default_factory=dict)
     lines: list[str] = field(default_factory=list)
     pids: dict[int, int] = field(default_factory=dict)
 
@@ -67,14 +70,14 @@ class Job:
         if self.respawn:
             launcher += ["--respawn", "--respawn-delay", "0.2"]
         launcher += ["--timeout", str(self.timeout), "--log-dir", str(self.tmp / "logs"), *self.launcher_args]
-        script = [str(self.worker), "--pp", str(self.pp), "--steps", str(self.steps), "--optimizer", self.optimizer]
-        script += ["--config", str(self.tmp / "ds_config.json"), "--out", str(self.out)]
-        script += [arg for trap in self.traps for arg in ("--trap", trap)]
-        if self.data != "provider":
-            script += ["--data", self.data]
-        if self.helpers:
-            script.append("--helpers")
-        env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+        script = self.argv or [
+            str(self.worker),
+            *("--pp", str(self.pp), "--steps", str(self.steps), "--optimizer", self.optimizer),
+            *("--config", str(self.tmp / "ds_config.json"), "--out", str(self.out), "--data", self.data),
+            *(arg for trap in self.traps for arg in ("--trap", trap)),
+            *(["--helpers"] if self.helpers else []),
+        ]
+        env = {**os.environ, "DS_ACCELERATOR": "cpu", **self.env}
         self.proc = subprocess.Popen(
             launcher + script,
             stdout=subprocess.PIPE,

@@ -157,3 +157,25 @@ def test_exit_0_after_leaving_does_not_finish_the_job_and_an_unadmitted_joiner_i
     assert "[ds-recycle launch] rank 0 completed training: the job is finished, no more respawns" in lines
     assert any("no member is running: stopping" in x for x in lines)
     assert lines[-2] == "[ds-recycle launch] rank 1 exited (signal SIGTERM)", lines
+
+
+CRASH_LOOP = """
+import os, sys, time
+if os.environ["RANK"] == "1":
+    sys.exit(1)  # every incarnation fails at once
+time.sleep(4.0)
+"""
+
+
+def test_a_slot_that_keeps_failing_backs_off_and_is_given_up_past_max_restarts(tmp_path):
+    launcher, code, lines = run_launcher(
+        tmp_path, CRASH_LOOP, 2, respawn=True, respawn_delay=0.1, max_restarts=3, max_backoff=0.3, timeout=60
+    )
+    starts = [line for line in lines if re.search(r"rank 1 pid \d+ started", line)]
+    assert len(starts) == 4, "the first start and 3 respawns"
+    again = [line for line in lines if "rank 1 failed again" in line]
+    assert [re.search(r"respawning it in ([\d.]+) s", line).group(1) for line in again] == ["0.2", "0.3"]
+    assert "(3 failures in a row: code 1, code 1, code 1)" in again[-1]
+    [given_up] = [line for line in lines if "not respawning it again" in line]
+    assert "rank 1 failed 4 times in a row" in given_up and "(--max-restarts 3)" in given_up
+    assert code == 1, "the job finished but member 1 did not exit 0"
