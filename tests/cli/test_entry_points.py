@@ -37,9 +37,11 @@ CASES = [(command, argv, mentions) for command, cases in BAD.items() for argv, m
 
 
 def _script() -> str:
-    script = shutil.which("ds-recycle") or str(Path(sys.executable).with_name("ds-recycle"))
-    assert Path(script).exists(), "the ds-recycle console script is not installed"
-    return script
+    """The console script of this interpreter's environment (else the one on PATH)."""
+    script = Path(sys.executable).with_name("ds-recycle")
+    found = str(script) if script.exists() else shutil.which("ds-recycle")
+    assert found, "the ds-recycle console script is not installed"
+    return found
 
 
 def _run(program: list[str], argv: list[str], cwd: Path) -> tuple[int, str, str]:
