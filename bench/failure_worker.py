@@ -54,6 +54,7 @@ from membership_worker import build_engine, report_progress, save_atomically, st
 
 from ds_recycle.instructions.routed import BackwardInput, BackwardWeight, ForwardPass, StaggeredStep  # noqa: E402
 from ds_recycle.runtime.distributed import membership_agent  # noqa: E402
+from ds_recycle.runtime.recovery import Phase  # noqa: E402
 
 POINTS = ("F", "B", "W", "allreduce", "stepped", "recovery")
 PARK_SECONDS = 120.0
@@ -135,7 +136,11 @@ class Traps:
         table[StaggeredStep] = after("stepped", table[StaggeredStep])
         engine._INSTRUCTION_MAP = table
         engine.allreduce_bucket = MethodType(before("allreduce", type(engine).allreduce_bucket), engine)
-        engine._recover = MethodType(before("recovery", type(engine)._recover), engine)
+        engine.runtime.phase_listeners.append(self._at_phase)
+
+    def _at_phase(self, phase: Phase) -> None:
+        if phase is Phase.RECOVERING and self._armed("recovery"):
+            self._spring()
 
 
 def changes(engine) -> list[dict]:

@@ -11,8 +11,6 @@ The engine, ``initialize`` and ``init_distributed`` are imported on first use, s
 
 from __future__ import annotations
 
-import sys
-import types
 from importlib import import_module
 from typing import Any
 
@@ -20,8 +18,8 @@ from ds_recycle.config import RecycleConfig, RecycleConfigError
 
 _LAZY = {
     "RecyclePipelineEngine": "ds_recycle.engine",
-    "initialize": "ds_recycle.initialize",
-    "init_distributed": "ds_recycle.runtime.distributed",
+    "initialize": "ds_recycle.api",
+    "init_distributed": "ds_recycle.api",
 }
 
 __all__ = ["RecycleConfig", "RecycleConfigError", "RecyclePipelineEngine", "init_distributed", "initialize"]
@@ -34,16 +32,3 @@ def __getattr__(name: str) -> Any:
     value = getattr(import_module(module), name)
     globals()[name] = value
     return value
-
-
-class _Package(types.ModuleType):
-    """Importing the submodule ``ds_recycle.initialize`` binds it as an attribute of the package;
-    keep ``ds_recycle.initialize`` the function, as it was when the package imported it eagerly."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "initialize" and isinstance(value, types.ModuleType):
-            value = value.initialize
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -158,7 +158,7 @@ def main() -> None:
         )
     for monitor in getattr(engine, "monitors", []):
         monitor.close()
-    if args.stock or getattr(engine, "agent", None) is None:
+    if args.stock or getattr(engine, "runtime", None) is None:
         dist.barrier()
 
 

@@ -3,7 +3,7 @@ COMMAND`` are the same program).
 
 Subcommands are registered in :data:`COMMANDS` (name -> :class:`~ds_recycle.cli.common.Command`):
 ``plan`` (:mod:`ds_recycle.cli.plan`), ``simulate`` (:mod:`ds_recycle.cli.simulate`) and ``launch``
-(:mod:`ds_recycle.runtime.launch_cli`). Only implemented ones are listed, so ``ds-recycle --help``
+(:mod:`ds_recycle.cli.launch`). Only implemented ones are listed, so ``ds-recycle --help``
 never advertises something that does not run.
 
 Exit codes: 0 success, 2 bad arguments (argparse's convention, also used for a failure set that
@@ -24,13 +24,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ds_recycle.cli import plan, simulate
+from ds_recycle.cli import launch, plan, simulate
 from ds_recycle.cli.common import USAGE_ERROR, Command, Parser, UsageError, store_once
-from ds_recycle.runtime import launch_cli
 
 COMMANDS: dict[str, Command] = {
     "plan": Command(help=plan.HELP, add_arguments=plan.add_arguments, run=plan.run),
-    "launch": Command(help=launch_cli.HELP, add_arguments=launch_cli.add_arguments, run=launch_cli.run),
+    "launch": Command(help=launch.HELP, add_arguments=launch.add_arguments, run=launch.run),
     "simulate": Command(help=simulate.HELP, add_arguments=simulate.add_arguments, run=simulate.run),
 }
 """Every subcommand, in the order ``ds-recycle --help`` lists them."""

@@ -12,7 +12,7 @@ hooks fire as in a fused backward.
 
 W pins the captured gradients on *every* intermediate node with a node pre-hook. Without that,
 tensor hooks on the stage output (DeepSpeed's 1/GAS hook on the last stage) would run a second
-time when an intermediate is the output's own grad_fn (see research/deepspeed-internals.md §2.2).
+time when an intermediate is the output's own grad_fn (docs/design.md §8, DeepSpeed's output hooks).
 
 When no stage input requires grad (the first stage, whose input is data), there is no input
 gradient to compute early: B records the outputs and their gradients and W runs the whole

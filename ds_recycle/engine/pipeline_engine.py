@@ -53,19 +53,15 @@ from ds_recycle.planner.fault_free import fault_free_plan
 from ds_recycle.planner.list_scheduler import ScheduleOptions
 from ds_recycle.planner.lowering import WorkerStream, lower
 from ds_recycle.planner.plan import FORWARD, CostModel, Plan
-from ds_recycle.runtime import exit_guard, rejoin
-from ds_recycle.runtime.distributed import GROUP_TIMEOUT_SECONDS, membership_agent
+from ds_recycle.runtime.distributed import membership_agent
 from ds_recycle.runtime.events import IterationStats, MembershipChange, Monitor, PlanSummary
-from ds_recycle.runtime.groups import RecycleGrid, bury, rebuild_world
-from ds_recycle.runtime.membership import EpochSuperseded, Progress, connect
-from ds_recycle.runtime.protocol import FAILED, JOIN, LEAVE, RESTART_EXIT_CODE, STOP_EXIT_CODE, Decision, Membership
-from ds_recycle.runtime.waiting import FailureWatcher, PeerFailure, Waiter
+from ds_recycle.runtime.groups import GROUP_TIMEOUT_SECONDS, RecycleGrid, bury
+from ds_recycle.runtime.protocol import Membership
+from ds_recycle.runtime.recovery import RankRuntime
+from ds_recycle.runtime.waiting import Waiter
 
 _EXTRA_BUFFERS = ("losses", "grads", "input_grads", "weight_work")
 TRAIN_BATCH_TIMER = "train_batch"
-MAX_RECOVERY_ROUNDS = 8
-HELPER_LOST_EXIT_CODE = 3
-"""A rank whose helper process (a DataLoader worker) died ends with this code: a failure."""
 
 
 class PlannedSchedule(schedule.PipeSchedule):
@@ -83,10 +79,6 @@ class PlannedSchedule(schedule.PipeSchedule):
             yield [instruction]
 
 
-class StageLostError(RuntimeError):
-    """Every worker of a stage is gone: there is no replica left to re-route to."""
-
-
 class RecycleDataError(RuntimeError):
     """A plan needs micro-batches of another pipeline and the data came from an iterator."""
 
@@ -96,6 +88,8 @@ class RecyclePipelineEngine(PipelineEngine):
         self.recycle = recycle_config or RecycleConfig()
         super().__init__(*args, **kwargs)
         self.instruction_events: list[InstructionEvent] = []
+        self.runtime: RankRuntime | None = None
+        """The rank's membership protocol under ds-recycle launch (None under any other launcher)."""
         if not self.recycle.enabled:
             return
         self._check_supported()
@@ -112,7 +106,9 @@ class RecyclePipelineEngine(PipelineEngine):
         self.received_client_state: object = None
         """In a joiner: the ``rejoin_client_state()`` of the replica it copied its state from."""
         self.membership_changes: list[MembershipChange] = []
-        self.agent = membership_agent()
+        agent = membership_agent()
+        if agent is not None:
+            self.runtime = RankRuntime(self, agent, self.recycle)
         self.plan_cache = PlanCache()
         self.plan: Plan | None = None
         self._trainable = [p for p in self.module.parameters() if p.requires_grad]
@@ -122,24 +118,27 @@ class RecyclePipelineEngine(PipelineEngine):
         self._stream_cache: dict[tuple, tuple[Plan, WorkerStream]] = {}
         self._own_loss: torch.Tensor | None = None
         self._fault_free_time: float | None = None
-        self.watcher: FailureWatcher | None = None
         self._loaded: dict[int, list] = {}
         """Own-pipeline micro-batches read from the data iterator, by iteration (the last two)."""
         self.waiter = Waiter()
         everyone = Membership(0, tuple(range(self.module._topo.world_size())), 0)
-        self._install_grid(RecycleGrid.build(self.module._topo, everyone, self.slot, GROUP_TIMEOUT_SECONDS))
+        self.install_grid(RecycleGrid.build(self.module._topo, everyone, self.slot, GROUP_TIMEOUT_SECONDS))
         logger.info(
             f"ReCycle engine on worker (pipeline {self.worker[0]}, stage {self.worker[1]}): "
             f"decoupled_backprop={self.recycle.decoupled_backprop} "
             f"staggered_optimizer={self.recycle.staggered_optimizer} "
-            f"membership={'ds-recycle launch' if self.agent else 'static (no coordinator)'}"
+            f"membership={'ds-recycle launch' if self.runtime else 'static (no coordinator)'}"
         )
 
-    # ---- membership ---------------------------------------------------------------------------
+    # ---- what the rank's runtime (ds_recycle.runtime.recovery) uses --------------------------------
 
     @property
     def worker(self) -> tuple[int, int]:
         return self.grid.worker
+
+    @property
+    def stepped_inflight(self) -> bool:
+        return self.stepper.stepped_inflight
 
     def is_lowest_live_rank(self) -> bool:
         """True on the one process that logs, saves and feeds the monitors in this epoch."""
@@ -147,7 +146,7 @@ class RecyclePipelineEngine(PipelineEngine):
             return self.global_rank == 0
         return self.slot == min(self.grid.membership.members)
 
-    def _install_grid(self, grid: RecycleGrid) -> None:
+    def install_grid(self, grid: RecycleGrid) -> None:
         """Point every handle the engine uses at this epoch's grid."""
         self.grid = self.mpu = grid
         self.data_parallel_group = grid.get_data_parallel_group()
@@ -159,120 +158,13 @@ class RecyclePipelineEngine(PipelineEngine):
         self.stepper = StageStepper(self, self.channel, synchronous=not self.recycle.staggered_optimizer)
         self.plan = self._current_plan_and_stream()[0]
 
-    def join(self) -> None:
-        """In a respawned process: wait to be admitted, enter the world, copy the state of a live replica."""
-        self.agent.start_heartbeat()
-        admitted_once = False
-        while True:
-            membership = self.agent.wait_for_admission(self.recycle.join_timeout, predecessor_removed=admitted_once)
-            admitted_once = True
-            previous = Membership.from_json(self.agent.store.get(f"epoch/{membership.epoch - 1}"))
-            try:
-                self._enter_epoch(membership, previous.members)
-                if self.agent.created_by_recovery(membership):
-                    self.stepper.resync_tied_weights()  # with the survivors, who re-sync after a rollback
-                break
-            except EpochSuperseded:
-                # A failure among the members while this process waited: join the epoch they formed.
-                continue
-        self._start_watcher()
-        self.agent.install_leave_handler()
-        logger.info(
-            f"ReCycle: slot {self.slot} re-joined as worker {self.worker} in epoch {membership.epoch} at "
-            f"iteration {self.global_steps} ({time.time() - self.agent.requested_at:.2f} s from its request)"
-        )
-
-    def start_membership(self) -> None:
-        """In a first-start process under ds-recycle launch: heartbeat, failure watcher, SIGTERM-means-leave."""
-        self.agent.start_heartbeat()
-        self._start_watcher()
-        self.agent.install_leave_handler()
-        if self.micro_batch_source is None:
-            logger.warning(
-                "ReCycle: data comes from train_batch(data_iter), so only a worker's own pipeline can load its "
-                "micro-batches. Losing a first- or last-stage worker then stops training cleanly at that "
-                "boundary. Pass training_data= (a map-style dataset or an (iteration, home, mb) provider) to "
-                "ds_recycle.initialize to survive it."
-            )
-
-    def _start_watcher(self) -> None:
-        store = connect(self.agent.address, self.agent.generation)
-        self.watcher = FailureWatcher(store, self.agent.failure_concerns_this_rank).start()
-        self.waiter.failed = self.watcher.flag
-
-    def _enter_epoch(self, membership: Membership, previous_members: tuple[int, ...]) -> None:
-        self.agent.enter(membership, None if self.watcher is None else self.watcher.flag, GROUP_TIMEOUT_SECONDS)
-        rebuild_world(self.agent.store, membership, self.slot, GROUP_TIMEOUT_SECONDS)
-        grid = RecycleGrid.build(self.module._topo, membership, self.slot, GROUP_TIMEOUT_SECONDS)
-        self._install_grid(grid)
-        rejoin.transfer_state(self, grid, previous_members)
-
-    def _at_boundary(self) -> None:
-        self.waiter.check("the iteration boundary")
-        decision = self.agent.decide(self.global_steps)
-        if decision.next is None:
-            return
-        began = time.time()
-        if self.slot not in decision.next.members:
-            logger.info(
-                f"ReCycle: slot {self.slot} (worker {self.worker}) left the job at iteration {self.global_steps}"
-            )
-            self.agent.stop()
-            raise exit_guard.exit(0)
-        fault_free_before = self._fault_free_iteration_time()
-        previous = self.grid.membership.members
-        self._check_survivable(decision.next)
-        self._enter_epoch(decision.next, previous)
-        self._check_data_available()
-        self._report_change(decision, previous, time.time() - began, fault_free_before)
-
-    # ---- recovery from an unplanned failure ----------------------------------------------------
-
-    def _recover(self, failure: PeerFailure) -> None:
-        """Make the interrupted iteration consistent and continue on the plan without the dead.
-
-        The survivors agree on one decision (``MembershipAgent.recover``): the new membership and
-        the iteration they all restart from, the least any of them finished. A survivor that has
-        finished that iteration, or stepped it, undoes its step in place; then everyone enters the
-        new epoch and runs the iteration again on the new plan, so no sample is lost or counted twice.
-        """
-        detected = self.watcher.raised_at or time.time()
-        logger.info(f"ReCycle: slot {self.slot} stopped by a failure at iteration {self.global_steps}: {failure}")
-        for _ in range(MAX_RECOVERY_ROUNDS):
-            running = self.grid.membership.members
-            progress = Progress(self.global_steps, self.stepper.stepped_inflight)
-            decision = self.agent.recover(progress, running, self.recycle.detect_timeout, GROUP_TIMEOUT_SECONDS)
-            self.watcher.acknowledge(self.agent.failures_applied())
-            logger.info(
-                f"ReCycle: slot {self.slot} recovery decision: epoch {decision.next.epoch} members "
-                f"{list(decision.next.members)}, restart at iteration {decision.iteration} (this slot finished "
-                f"{progress.done}, stepped in flight: {progress.stepped})"
-            )
-            began = time.time()
-            rolled_back = self._roll_back_to(decision.iteration)
-            if self.slot not in decision.next.members:
-                logger.info(f"ReCycle: slot {self.slot} left the job during recovery at iteration {self.global_steps}")
-                raise exit_guard.exit(0)
-            self._check_survivable(decision.next)
-            fault_free_before = self._fault_free_iteration_time()
-            try:
-                self._enter_epoch(decision.next, running)
-                self.stepper.resync_tied_weights()
-            except (PeerFailure, EpochSuperseded) as again:
-                logger.info(f"ReCycle: slot {self.slot}: another failure during recovery ({again}); deciding again")
-                continue
-            self._check_data_available()
-            self._report_change(
-                decision, running, time.time() - began, fault_free_before, detected=detected, rolled_back=rolled_back
-            )
-            return
-        raise RuntimeError(f"ReCycle: no consistent epoch after {MAX_RECOVERY_ROUNDS} recovery rounds")
-
-    def _roll_back_to(self, iteration: int) -> bool:
+    def roll_back_to(self, iteration: int) -> bool:
         """Undo this worker's steps back to the state before ``iteration``; drop the partial iteration."""
         rolled_back = False
         if self.global_steps == iteration + 1:
             self.stepper.rollback_finished()
+            self.global_steps -= 1
+            self.global_samples -= self.train_batch_size()
             rolled_back = True
         elif self.global_steps != iteration:
             raise RuntimeError(
@@ -298,28 +190,25 @@ class RecyclePipelineEngine(PipelineEngine):
         if timer.started_:
             timer.stop()
         timer.reset()
-        self.stepper._pending = None
+        self.stepper.drop_pending()
 
-    def _leave_after_helper_death(self, error: RuntimeError) -> None:
-        """A helper process of this rank (a DataLoader worker of the script's data iterator) died:
-        the iterator cannot give this iteration's micro-batches, so the rank cannot finish it. It
-        ends now, non-zero, and the launcher publishes that as a failure at once: the survivors
-        roll the iteration back and re-run it without this worker, and a respawn re-joins."""
-        cause = "after a leave signal" if self.agent.leave_requested else "unexpectedly"
-        logger.error(
-            f"ReCycle: slot {self.slot} (worker {self.worker}) lost a helper process {cause} ({error}); it cannot "
-            f"finish iteration {self.global_steps}, so it leaves now as a failure and the survivors re-run it"
-        )
-        self.agent.stop()
-        raise exit_guard.exit(HELPER_LOST_EXIT_CODE)
+    def resync_tied_weights(self) -> None:
+        self.stepper.resync_tied_weights()
 
-    def _stop_job(self, lost: StageLostError) -> None:
-        """Training cannot go on in place: say why, once, and end this rank so that the launcher
-        restarts every rank from the latest checkpoint (exit 75), or stops the job without one."""
-        tag = checkpoints.latest_tag(self.recycle.checkpoint)
-        logger.error(f"ReCycle: slot {self.slot} stops: {lost}")
-        self.agent.stop()
-        raise exit_guard.exit(STOP_EXIT_CODE if tag is None else RESTART_EXIT_CODE)
+    def record_change(self, change: MembershipChange) -> None:
+        self.membership_changes.append(change)
+        if self.is_lowest_live_rank():
+            for monitor in self.monitors:
+                monitor.on_membership_change(change)
+
+    def warn_if_data_is_per_pipeline(self) -> None:
+        if self.micro_batch_source is None:
+            logger.warning(
+                "ReCycle: data comes from train_batch(data_iter), so only a worker's own pipeline can load its "
+                "micro-batches. Losing a first- or last-stage worker then stops training cleanly at that "
+                "boundary. Pass training_data= (a map-style dataset or an (iteration, home, mb) provider) to "
+                "ds_recycle.initialize to survive it."
+            )
 
     # ---- checkpoints ------------------------------------------------------------------------
 
@@ -358,74 +247,6 @@ class RecyclePipelineEngine(PipelineEngine):
         if checkpoints.due(config, self.global_steps):
             self.save_checkpoint(config.dir)
 
-    def _check_survivable(self, membership: Membership) -> None:
-        topo = self.module._topo
-        live_stages = {topo.get_coord(slot).pipe for slot in membership.members}
-        empty = [s for s in range(self.num_stages) if s not in live_stages]
-        if empty:
-            config, tag = self.recycle.checkpoint, checkpoints.latest_tag(self.recycle.checkpoint)
-            if config is None:
-                after = "No checkpoint is configured (recycle.checkpoint), so the job stops here."
-            elif tag is None:
-                after = f"No checkpoint was written yet in {config.dir}, so the job stops here."
-            else:
-                after = (
-                    f"Last checkpoint: {tag} in {config.dir}; ds-recycle launch --respawn restarts every rank "
-                    "from it (without --respawn the job ends with exit code 75)."
-                )
-            raise StageLostError(
-                f"stage {empty[0]} has no live worker left in epoch {membership.epoch}: training cannot "
-                f"continue in place. Last finished iteration: {self.global_steps}. {after}"
-            )
-
-    def _report_change(
-        self,
-        decision: Decision,
-        previous,
-        switch_seconds: float,
-        fault_free: float,
-        detected: float | None = None,
-        rolled_back: bool = False,
-    ) -> None:
-        grid = self.grid
-        workers = {
-            kind: tuple(grid.worker_of(c.slot) for c in decision.changes if c.kind == kind)
-            for kind in (LEAVE, FAILED, JOIN)
-        }
-        oldest = min((c.time for c in decision.changes), default=time.time())
-        summary = self.plan_summary(fault_free)
-        now = time.time()
-        change = MembershipChange(
-            epoch=grid.membership.epoch,
-            iteration=self.global_steps,
-            left=workers[LEAVE],
-            failed=workers[FAILED],
-            joined=workers[JOIN],
-            detection_seconds=max(0.0, (detected or now - switch_seconds) - oldest),
-            rebuild_seconds=switch_seconds,
-            recovery_seconds=None if detected is None else now - oldest,
-            rolled_back=rolled_back,
-            plan=summary,
-            time=now,
-        )
-        self.membership_changes.append(change)
-        logger.info(
-            f"ReCycle epoch {change.epoch} from iteration {change.iteration}: left {list(change.left)} "
-            f"failed {list(change.failed)} joined {list(change.joined)}; plan {summary.plan_id} predicts "
-            f"{summary.predicted_iteration_time:.1f} ({summary.ratio_to_fault_free:.3f}x fault-free, "
-            f"{summary.ratio_to_lower_bound:.3f}x lower bound), {summary.rerouted_microbatches} rerouted F; "
-            f"detected/decided after {change.detection_seconds * 1e3:.0f} ms, switch {switch_seconds * 1e3:.0f} ms"
-            + (
-                ""
-                if change.recovery_seconds is None
-                else f", recovered {change.recovery_seconds * 1e3:.0f} ms after the failure"
-            )
-            + (", in-flight iteration rolled back" if rolled_back else "")
-        )
-        if self.is_lowest_live_rank():
-            for monitor in self.monitors:
-                monitor.on_membership_change(change)
-
     def plan_summary(self, fault_free: float | None = None) -> PlanSummary:
         """The plan this worker runs now, as monitors report it."""
         plan = self.plan
@@ -437,13 +258,13 @@ class RecyclePipelineEngine(PipelineEngine):
             plan_id=hashlib.sha1(key.encode()).hexdigest()[:10],
             failed=tuple(plan.failed),
             predicted_iteration_time=plan.iteration_time,
-            fault_free_iteration_time=fault_free or self._fault_free_iteration_time(),
+            fault_free_iteration_time=fault_free or self.fault_free_iteration_time(),
             lower_bound=plan.lower_bound or plan.iteration_time,
             live_per_stage=tuple(len(self.grid.live_workers(s)) for s in range(self.num_stages)),
             rerouted_microbatches=rerouted,
         )
 
-    def _check_data_available(self) -> None:
+    def check_data_available(self) -> None:
         if self.micro_batch_source is not None:
             return
         foreign = [
@@ -496,34 +317,17 @@ class RecyclePipelineEngine(PipelineEngine):
         if not self.recycle.enabled:
             return super().train_batch(data_iter)
         began = time.time()
-        while True:
-            try:
-                loss = super().train_batch(data_iter)
-                if self.agent is not None:
-                    self.agent.publish_iteration_seconds(time.time() - began)
-                    self._at_boundary()
-                self._save_if_due()
-                break
-            except PeerFailure as failure:
-                if self.agent is None:
-                    raise
-                try:
-                    self._recover(failure)
-                except StageLostError as lost:
-                    self._stop_job(lost)
-            except StageLostError as lost:
-                self._stop_job(lost)
-            except RuntimeError as error:
-                if self.agent is None or not _is_helper_death(error):
-                    raise
-                self._leave_after_helper_death(error)
-        seconds = time.time() - began
+        if self.runtime is None:
+            loss = super().train_batch(data_iter)
+        else:
+            loss = self.runtime.train_batch(lambda: super(RecyclePipelineEngine, self).train_batch(data_iter))
+        self._save_if_due()
         if self.monitors and self.is_lowest_live_rank():
             stats = IterationStats(
                 self.global_steps,
                 self.grid.membership.epoch,
                 float(loss),
-                seconds,
+                time.time() - began,
                 self.train_batch_size(),
                 self.plan_summary().plan_id,
             )
@@ -566,7 +370,7 @@ class RecyclePipelineEngine(PipelineEngine):
             self._stream_cache[failed] = (plan, lower(plan)[self.worker])
         return self._stream_cache[failed]
 
-    def _fault_free_iteration_time(self) -> float:
+    def fault_free_iteration_time(self) -> float:
         if self._fault_free_time is None:
             D, P, m = self.grid.data_parallel_size, self.num_stages, self.micro_batches
             plan = fault_free_plan(D, P, m, costs=self._cost_model(), options=self._schedule_options())
@@ -590,6 +394,8 @@ class RecyclePipelineEngine(PipelineEngine):
         if self.recycle.enabled and isinstance(pipe_schedule, PlannedSchedule):
             started = time.time()
             self.stepper.finish_iteration()
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
             self.instruction_events.append(InstructionEvent("FinishIteration", -1, -1, started, time.time()))
 
     def allreduce_bucket(self, bucket, dp_group, dp_world_size=None):
@@ -749,12 +555,6 @@ class RecyclePipelineEngine(PipelineEngine):
         BackwardWeight: _exec_backward_weight,
         StaggeredStep: _exec_staggered_step,
     }
-
-
-def _is_helper_death(error: RuntimeError) -> bool:
-    """torch raises this in the main thread (from its SIGCHLD handler, or at the next batch) when a
-    DataLoader worker process ends by a signal or exits unexpectedly."""
-    return "DataLoader worker" in str(error)
 
 
 def _as_tuple(value) -> tuple:

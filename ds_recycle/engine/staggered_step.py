@@ -89,7 +89,7 @@ class StageStepper:
         self.tied = self._tied_weights()
         self._pending: _PendingValidation | None = None
         self._warned_snapshot = False
-        self.keep_undo = getattr(engine, "agent", None) is not None
+        self.keep_undo = getattr(engine, "runtime", None) is not None
         """Under ds-recycle launch every step stays undoable until every member has finished its
         iteration: a failure may abort an iteration that this stage has already stepped."""
         self.inflight: StepUndo | SnapshotUndo | None = None
@@ -191,8 +191,6 @@ class StageStepper:
         if engine.lr_scheduler is not None:
             lr_state = engine.lr_scheduler.state_dict() if self.keep_undo else None
             engine.lr_scheduler.step()
-        engine.global_steps += 1
-        engine.global_samples += engine.train_batch_size()
         if self.keep_undo:
             self.finished = FinishedStep(self.inflight, lr_state)
             self.inflight = None
@@ -219,9 +217,11 @@ class StageStepper:
             finished.undo.undo()
         if finished.lr_state is not None:
             engine.lr_scheduler.load_state_dict(finished.lr_state)
-        engine.global_steps -= 1
-        engine.global_samples -= engine.train_batch_size()
         self.finished = None
+
+    def drop_pending(self) -> None:
+        """Forget the clipping validation of an iteration that a failure interrupted."""
+        self._pending = None
 
     def resync_tied_weights(self) -> None:
         """After a rollback: followers take the owner's (restored) tied weights again."""

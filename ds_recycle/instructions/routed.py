@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from deepspeed.runtime.pipe import schedule
 
-Worker = tuple[int, int]
+from ds_recycle.planner.plan import Worker
 
 
 class _MicroBatchOp:

@@ -140,6 +140,11 @@ def without_deepspeed_wandb(ds_config: Mapping[str, Any], recycle: RecycleConfig
     return config
 
 
+def prepare_ds_config(ds_config: Mapping[str, Any], recycle: RecycleConfig) -> dict:
+    """The hook :mod:`ds_recycle.monitoring` runs before the engine exists."""
+    return without_deepspeed_wandb(ds_config, recycle)
+
+
 def share_run_through_environment(settings: WandbMonitorConfig) -> None:
     """Export this job's run as ``WANDB_*`` variables (without overriding any already set), so a
     ``wandb.init`` made by other code in this process (HF's ``WandbCallback``) opens the same run,

@@ -465,10 +465,6 @@ class _ModelBuilder:
             return self._warm_key(a) < self._warm_key(b)
         return a[2] < b[2]
 
-    def _pinned_together(self, a: OpKey, b: OpKey) -> bool:
-        ta, tb = a[1:], b[1:]
-        return self.fixed(ta) and self.fixed(tb) and self.cand[ta] == self.cand[tb]
-
     def _pinned_ops_by_worker(self, s: int) -> dict[int, list[OpKey]]:
         out: dict[int, list[OpKey]] = {}
         for op in self.ops:

@@ -37,7 +37,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 
 from ds_recycle.runtime import protocol as proto
 from ds_recycle.runtime.protocol import Change, Membership, Request
@@ -104,14 +103,6 @@ class _Incarnation:
     running: bool = True
 
 
-def connect(host: str, port: int, generation: int, timeout: float = STORE_OP_SECONDS):
-    """A new client of the job store under the generation's prefix."""
-    import torch.distributed as dist
-
-    base = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
-    return dist.PrefixStore(proto.prefix(generation), base)
-
-
 class Coordinator:
     """Owns ``pending`` for one generation of the job (see the module docstring)."""
 
@@ -146,7 +137,9 @@ class Coordinator:
         self._job_heartbeats = False
         self._last_heartbeat_check = 0.0
         self._store = None
-        self._query = connect(host, port, generation)  # for membership() from other threads
+        self._query = proto.connect(
+            f"{host}:{port}", generation, STORE_OP_SECONDS
+        )  # for membership() from other threads
         self._query_lock = threading.Lock()
         self.error: BaseException | None = None
         """The last error of a tick (the coordinator logs it and retries)."""
@@ -155,9 +148,8 @@ class Coordinator:
     # ---- the launcher's side -------------------------------------------------------------------
 
     def start(self) -> None:
-        self._store = connect(self.host, self.port, self.generation)
-        if self._store.check([proto.PENDING]):
-            self._pending = proto.changes_from_json(self._store.get(proto.PENDING))
+        self._store = proto.connect(f"{self.host}:{self.port}", self.generation, STORE_OP_SECONDS)
+        self._pending = proto.read_pending(self._store)
         self._thread = threading.Thread(target=self._run, name=f"recycle-coordinator-{self.generation}", daemon=True)
         self._thread.start()
 
@@ -184,7 +176,7 @@ class Coordinator:
     def membership(self) -> Membership:
         """The current epoch's membership, read fresh from the store."""
         with self._query_lock:
-            return read_membership(self._query)
+            return proto.read_membership(self._query)
 
     def pending(self) -> list[Change]:
         with self._lock:
@@ -233,7 +225,7 @@ class Coordinator:
             latest = self._incarnations.get(exit.slot)
         if latest is not None and latest.number != exit.incarnation:
             return  # an earlier process of the slot, reaped after its successor started
-        membership = read_membership(self._store)
+        membership = proto.read_membership(self._store)
         last = self._last_change(exit.slot)
         joining = exit.slot not in membership.members and last is not None and last.kind == proto.JOIN
         if not joining and exit.slot not in membership.members:
@@ -294,7 +286,7 @@ class Coordinator:
             return f"unknown kind {request.kind!r} (allowed: {', '.join(proto.REQUEST_KINDS)})"
         if not 0 <= request.slot < self.world_size:
             return f"slot out of range (0..{self.world_size - 1})"
-        member = request.slot in read_membership(self._store).members
+        member = request.slot in proto.read_membership(self._store).members
         if request.kind == proto.PROBE:
             return "" if member else "not a member of the current epoch"
         last = self._last_change(request.slot)
@@ -317,7 +309,7 @@ class Coordinator:
         """A member's peer stopped answering and no failure was published: every member whose
         process has ended (whatever its code: a member that exits 0 before the job is finished
         leaves its peers waiting too) is published as failed."""
-        membership = read_membership(self._store)
+        membership = proto.read_membership(self._store)
         ended = []
         for slot in membership.members:
             with self._lock:
@@ -330,7 +322,7 @@ class Coordinator:
         self._log(f"probe from slot {request.slot} (pid {request.pid}) in epoch {membership.epoch}: {found}")
 
     def _check_heartbeats(self) -> None:
-        membership = read_membership(self._store)
+        membership = proto.read_membership(self._store)
         now = time.time()
         worst_iteration = None
         for slot in membership.members:
@@ -394,8 +386,3 @@ def _seconds(value: str | None) -> float | None:
         return None if value is None else float(value)
     except ValueError:
         return None
-
-
-def read_membership(store) -> Membership:
-    epoch = int(store.get(proto.CURRENT_EPOCH))
-    return Membership.from_json(store.get(proto.epoch_key(epoch)))

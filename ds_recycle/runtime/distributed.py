@@ -17,10 +17,8 @@ import torch.distributed as dist
 
 from ds_recycle.log import logger
 from ds_recycle.runtime import protocol as proto
+from ds_recycle.runtime.groups import GROUP_TIMEOUT_SECONDS, rebuild_world
 from ds_recycle.runtime.membership import MembershipAgent
-
-GROUP_TIMEOUT_SECONDS = 120.0
-"""Every group's op timeout: a backstop only, failure detection does not wait for it."""
 
 _agent: MembershipAgent | None = None
 
@@ -50,13 +48,7 @@ def init_distributed(dist_backend: str = "gloo", timeout: float = GROUP_TIMEOUT_
                 f"a process entering a running job must be started with {proto.ENV_INCARNATION} > 0 "
                 "(ds-recycle launch --respawn does this)"
             )
-        dist.init_process_group(
-            "gloo",
-            store=dist.PrefixStore("epoch/0/world/", _agent.store),
-            rank=_agent.slot,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout),
-        )
+        rebuild_world(_agent.store, membership, _agent.slot, timeout)
     deepspeed.init_distributed(dist_backend=dist_backend, dist_init_required=False)
 
 

@@ -7,9 +7,9 @@ stage among its live workers, plus a pipe group for every pipeline that is whole
 parts of DeepSpeed's grid API that the engine uses, so it replaces ``engine.grid`` and
 ``engine.mpu`` in place.
 
-Every epoch gets a fresh world on its own store prefix (recipe B of pg-rebuild.md): the old
-default group is destroyed and its groups are kept in a graveyard, never reused and never
-released from a thread that might block on them.
+Every epoch gets a fresh world on its own store prefix (``world/<epoch>/``): the old default group
+is destroyed and its groups are kept in a graveyard, never reused and never released from a thread
+that might block on them (docs/design.md, "Process groups").
 """
 
 from __future__ import annotations
@@ -21,29 +21,31 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from ds_recycle.planner.plan import Worker
+from ds_recycle.runtime import protocol as proto
 from ds_recycle.runtime.protocol import Membership
 
-Worker = tuple[int, int]
-"""(pipeline, stage)"""
+GROUP_TIMEOUT_SECONDS = 120.0
+"""Every group's op timeout: a backstop only, failure detection does not wait for it."""
 
 
 def bury(objects) -> None:
     """Keep process groups (and their pending work) alive until the process ends, and beyond: a gloo
     group released while an op on it is stuck blocks the releasing thread, and one released at
     interpreter exit with a stuck op aborts the process. They are never freed; each costs a few
-    file descriptors and threads (pg-rebuild.md, Q2)."""
+    file descriptors and threads."""
     for obj in objects:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
-def rebuild_world(store, membership: Membership, slot: int, timeout: float) -> None:
+def rebuild_world(store, membership: Membership, slot: int, timeout: float = GROUP_TIMEOUT_SECONDS) -> None:
     """Leave the current world (if any) and join the world of ``membership`` on its own prefix."""
     if dist.is_initialized():
         bury(c10d._world.pg_map.keys())
         dist.destroy_process_group()
     dist.init_process_group(
         "gloo",
-        store=dist.PrefixStore(f"epoch/{membership.epoch}/world/", store),
+        store=dist.PrefixStore(proto.world_prefix(membership.epoch), store),
         rank=membership.members.index(slot),
         world_size=len(membership.members),
         timeout=datetime.timedelta(seconds=timeout),

@@ -1,41 +1,39 @@
-"""The membership agent: the one owner of membership on a trainer.
+"""The membership agent: a trainer's side of the coordinator protocol (protocol.py has the keys).
 
-It talks to the coordinator store that ``ds-recycle launch`` hosts (ds_recycle/runtime/protocol.py
-has the keys). It knows the current epoch, posts this process's requests (leave on SIGTERM, join
-after a respawn), takes the per-boundary decision that every member of the epoch shares, and
-keeps a heartbeat so that the launcher can tell a hung process from a slow one.
+It knows the current epoch, posts this process's requests (leave on a preemption signal, join
+after a respawn, a probe when a peer stopped answering), takes the per-boundary decision and the
+after-failure recovery decision that every member of the epoch shares, and keeps a heartbeat so
+that the launcher can tell a hung process from a slow one. It decides nothing alone and holds no
+engine: :mod:`ds_recycle.runtime.recovery` drives it.
 
-A decision is one ``compare_set`` on ``decision/<epoch>/<iteration>``: the first member at the
-boundary proposes the changes pending at that moment and everyone else reads its proposal back, so
-all members apply the same changes at the same iteration, whatever their relative progress.
+A decision is one ``compare_set``: the first member to propose fixes it and everyone else reads
+its proposal back, so all members apply the same changes at the same iteration, whatever their
+relative progress.
 """
 
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
-
-import torch.distributed as dist
 
 from ds_recycle.log import logger
 from ds_recycle.runtime import protocol as proto
-from ds_recycle.runtime.protocol import Change, Decision, Membership, Request
+from ds_recycle.runtime.protocol import Change, Decision, Membership, Progress, Request, Store
+from ds_recycle.runtime.waiting import PeerFailure
 
 HEARTBEAT_SECONDS = 0.1
 EXIT_GRACE_SECONDS = 30.0
 """The last heartbeat, written at interpreter exit, is dated this far ahead: tearing down torch and
 gloo can take longer than the hang timeout, and an exiting process is not a hung one."""
-STORE_TIMEOUT_SECONDS = 120.0
-LEAVE_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 POLL_SECONDS = 0.002
 PROBE_AFTER_SECONDS = 1.0
 """A survivor whose peer stopped answering asks the coordinator after this long without a failure."""
+LEAVE_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class MembershipError(RuntimeError):
@@ -46,22 +44,8 @@ class EpochSuperseded(RuntimeError):
     """A newer epoch was decided while this process waited to enter an older one."""
 
 
-@dataclass(frozen=True)
-class Progress:
-    """How far a survivor got when a failure stopped it: ``done`` iterations finished, and whether
-    it had already stepped the in-flight iteration ``done``."""
-
-    done: int
-    stepped: bool
-
-
-def connect(address: str, generation: int, timeout: float = STORE_TIMEOUT_SECONDS):
-    """A client of the coordinator store at ``host:port``, under the generation's key prefix."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise MembershipError(f"{proto.ENV_STORE}={address!r} must be host:port")
-    base = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
-    return dist.PrefixStore(proto.prefix(generation), base)
+class MemberFailed(PeerFailure):
+    """A member of the epoch being entered failed (or a failure was announced) before all entered."""
 
 
 @dataclass
@@ -71,7 +55,7 @@ class MembershipAgent:
     token: str
     incarnation: int
     generation: int
-    store: object = None
+    store: Store | None = None
     current: Membership | None = None
     applied: int = 0
     """How many entries of ``pending`` the decisions so far have taken."""
@@ -94,9 +78,16 @@ class MembershipAgent:
             incarnation=int(environ.get(proto.ENV_INCARNATION, "0")),
             generation=int(environ.get(proto.ENV_GENERATION, "0")),
         )
-        agent.store = connect(address, agent.generation)
-        agent.current = agent._read_current()
+        try:
+            agent.store = agent.connect()
+        except ValueError as error:
+            raise MembershipError(str(error)) from None
+        agent.current = proto.read_membership(agent.store)
         return agent
+
+    def connect(self) -> Store:
+        """A client of its own, for a thread that must not share the agent's."""
+        return proto.connect(self.address, self.generation)
 
     @property
     def is_joiner(self) -> bool:
@@ -105,10 +96,8 @@ class MembershipAgent:
 
     # ---- requests --------------------------------------------------------------------------
 
-    def request(self, kind: str) -> None:
-        index = self.store.add(proto.REQUEST_COUNT, 1)
-        request = Request(kind, self.slot, self.token, os.getpid(), time.time())
-        self.store.set(proto.request_key(index), request.to_json())
+    def request(self, kind: str, store: Store | None = None) -> None:
+        proto.post_request(store or self.store, Request(kind, self.slot, self.token, os.getpid(), time.time()))
 
     def install_leave_handler(self) -> None:
         """SIGTERM, SIGINT or SIGHUP (a preemption notice, ``scancel``, a closed terminal) means:
@@ -127,34 +116,23 @@ class MembershipAgent:
                 self.leave_requested = True
                 name = signal.Signals(signum).name
                 logger.info(f"ReCycle: slot {self.slot} got {name}; leaving at the next iteration boundary")
-                threading.Thread(target=self._post_leave, name="recycle-leave", daemon=True).start()
+                # Its own client: the main thread may be inside a store call on the agent's client.
+                leave = threading.Thread(target=lambda: self.request(proto.LEAVE, self.connect()), daemon=True)
+                leave.start()
 
         for signum in LEAVE_SIGNALS:
             signal.signal(signum, on_signal)
-
-    def _post_leave(self) -> None:
-        # Its own client: the main thread may be inside a store call on the agent's client.
-        store = connect(self.address, self.generation)
-        index = store.add(proto.REQUEST_COUNT, 1)
-        store.set(
-            proto.request_key(index), Request(proto.LEAVE, self.slot, self.token, os.getpid(), time.time()).to_json()
-        )
 
     # ---- decisions ---------------------------------------------------------------------------
 
     def decide(self, iteration: int) -> Decision:
         """The decision of the current epoch's members at the boundary before ``iteration``."""
         epoch = self.current.epoch
-        pending = self._pending()
-        changes = tuple(c for c in pending[self.applied :])
+        pending = proto.read_pending(self.store)
+        changes = tuple(pending[self.applied :])
         proposal = Decision(epoch, iteration, len(pending), changes, self._next(changes, iteration))
         value = self.store.compare_set(proto.decision_key(epoch, iteration), "", proposal.to_json())
-        decision = Decision.from_json(value)
-        self.applied = decision.applied
-        if decision.next is not None:
-            self._publish(decision.next)
-            self.current = decision.next
-        return decision
+        return self._take(Decision.from_json(value))
 
     def recover(self, progress: Progress, running: tuple[int, ...], detect_timeout: float, timeout: float) -> Decision:
         """The survivors' one decision after a failure in the current epoch.
@@ -163,36 +141,21 @@ class MembershipAgent:
         drops out of the wait), the first to propose fixes the decision: the changes pending so far,
         the next membership, and ``iteration`` = the iteration every survivor restarts from (the
         least finished count). A failure of one of ``running`` (the members this process was running
-        with) must have been published within ``detect_timeout``, else the comm error that started
-        this was not a failure."""
+        with) must be published within ``detect_timeout``; after PROBE_AFTER_SECONDS without one the
+        agent asks the coordinator to look for a member whose end it did not count as a failure."""
         self.refresh()
         epoch = self.current.epoch
-        started = time.monotonic()
-        probed = False
-        while not self.failure_among(set(running) | set(self.current.members)):
-            waited = time.monotonic() - started
-            if waited > detect_timeout:
-                raise MembershipError(
-                    f"a peer stopped answering in epoch {epoch} but the launcher published no failure within "
-                    f"{detect_timeout:.0f} s, and found no ended member when asked"
-                )
-            if not probed and waited > PROBE_AFTER_SECONDS:
-                # The coordinator publishes every death it sees; ask it to look for a member whose
-                # end it did not count as a failure (one that exited 0 before the job finished).
-                self.request(proto.PROBE)
-                probed = True
-                logger.info(f"ReCycle: slot {self.slot} asked the coordinator which peer stopped answering")
-            time.sleep(POLL_SECONDS)
-        self.store.set(f"progress/{epoch}/{self.slot}", json.dumps([progress.done, progress.stepped]))
-        key = f"recovery/{epoch}"
+        self._wait_for_failure(set(running) | set(self.current.members), detect_timeout)
+        self.store.set(proto.progress_key(epoch, self.slot), progress.to_json())
+        key = proto.recovery_key(epoch)
         deadline = time.monotonic() + timeout
         while not self.store.check([key]):
-            pending = self._pending()
+            pending = proto.read_pending(self.store)
             changes = tuple(pending[self.applied :])
             survivors = self._survivors(changes)
-            posted = [f"progress/{epoch}/{s}" for s in survivors]
+            posted = [proto.progress_key(epoch, s) for s in survivors]
             if self.store.check(posted):
-                done = min(json.loads(self.store.get(k))[0] for k in posted)
+                done = min(Progress.from_json(value).done for value in self.store.multi_get(posted))
                 nxt = self._next(changes, done) or Membership(epoch + 1, self.current.members, done)
                 proposal = Decision(epoch, done, len(pending), changes, nxt)
                 self.store.compare_set(key, "", proposal.to_json())
@@ -201,51 +164,67 @@ class MembershipAgent:
                 missing = [s for s, k in zip(survivors, posted, strict=True) if not self.store.check([k])]
                 raise MembershipError(f"survivors {missing} did not report their progress within {timeout:.0f} s")
             time.sleep(POLL_SECONDS)
-        decision = Decision.from_json(self.store.get(key))
+        return self._take(Decision.from_json(self.store.get(key)))
+
+    def _wait_for_failure(self, slots: set[int], detect_timeout: float) -> None:
+        started, probed = time.monotonic(), False
+        while not self.failure_among(slots):
+            waited = time.monotonic() - started
+            if waited > detect_timeout:
+                raise MembershipError(
+                    f"a peer stopped answering in epoch {self.current.epoch} but the launcher published no failure "
+                    f"within {detect_timeout:.0f} s, and found no ended member when asked"
+                )
+            if not probed and waited > PROBE_AFTER_SECONDS:
+                self.request(proto.PROBE)
+                probed = True
+                logger.info(f"ReCycle: slot {self.slot} asked the coordinator which peer stopped answering")
+            time.sleep(POLL_SECONDS)
+
+    def _take(self, decision: Decision) -> Decision:
         self.applied = decision.applied
-        self._publish(decision.next)
-        self.current = decision.next
+        if decision.next is not None:
+            self._publish(decision.next)
+            self.current = decision.next
         return decision
 
-    def failure_among(self, slots: set[int], store=None) -> bool:
+    def failure_among(self, slots: set[int], store: Store | None = None) -> bool:
         """Whether a failure not yet taken by a decision concerns one of ``slots``."""
-        pending = self._pending(store)
+        pending = proto.read_pending(store or self.store)
         return any(c.kind == proto.FAILED and c.slot in slots for c in pending[self.applied :])
 
-    def failure_concerns_this_rank(self, store) -> bool:
+    def failure_concerns_this_rank(self, store: Store) -> bool:
         """For the failure watcher (its own store client): whether an announced failure is of a
         member of this rank's epoch, or of the latest decided one. A joiner that died before it was
         admitted, or a leaver that died after its leave took effect, concerns nobody."""
-        latest = _read_membership(store)
+        latest = proto.read_membership(store)
         return self.failure_among(set(self.current.members) | set(latest.members), store)
 
     def failures_applied(self) -> int:
         """How many failures the decisions so far took into account (the launcher adds a failure to
         ``pending`` before it raises ``alert``, so the alert count can be compared with this)."""
-        return sum(1 for c in self._pending()[: self.applied] if c.kind == proto.FAILED)
+        return sum(1 for c in proto.read_pending(self.store)[: self.applied] if c.kind == proto.FAILED)
 
     def _survivors(self, changes: tuple[Change, ...]) -> list[int]:
         gone = {c.slot for c in changes if c.kind in (proto.FAILED, proto.LEAVE)}
         return [s for s in self.current.members if s not in gone]
 
-    def enter(self, membership: Membership, failure_flag: threading.Event | None, timeout: float) -> None:
+    def enter(self, membership: Membership, failure_announced: Callable[[], bool], timeout: float) -> None:
         """Wait until every member of ``membership`` is ready to build its world. Raises
-        EpochSuperseded if a newer epoch was decided meanwhile, and calls ``on_failure`` (a member
-        has the failure flag) if a failure is announced."""
-        from ds_recycle.runtime.waiting import PeerFailure
-
-        key = f"ready/{membership.epoch}"
+        EpochSuperseded if a newer epoch was decided meanwhile, and MemberFailed if a failure was
+        announced (``failure_announced()``) or one of the members failed."""
+        key = proto.ready_key(membership.epoch)
         self.store.add(key, 1)
         deadline = time.monotonic() + timeout
         polls = 0
         while int(self.store.add(key, 0)) < len(membership.members):
-            if failure_flag is not None and failure_flag.is_set():
-                raise PeerFailure(f"a failure was announced while entering epoch {membership.epoch}")
+            if failure_announced():
+                raise MemberFailed(f"a failure was announced while entering epoch {membership.epoch}")
             polls += 1
             # A member (a joiner) may have died after the failure watcher judged its failure to
             # concern nobody, before the decision that admitted it was published.
             if polls % 10 == 0 and self.failure_among(set(membership.members)):
-                raise PeerFailure(f"a member of epoch {membership.epoch} failed before every member entered it")
+                raise MemberFailed(f"a member of epoch {membership.epoch} failed before every member entered it")
             if int(self.store.get(proto.CURRENT_EPOCH)) > membership.epoch:
                 raise EpochSuperseded(f"epoch {membership.epoch} was superseded before every member entered it")
             if time.monotonic() > deadline:
@@ -269,35 +248,29 @@ class MembershipAgent:
 
     def refresh(self) -> Membership:
         """The latest epoch decided by anyone (a slower member may not have seen it yet)."""
-        latest = self._read_current()
+        latest = proto.read_membership(self.store)
         if latest.epoch > self.current.epoch:
             self.current = latest
-            self.applied = self._decision_creating(latest).applied
+            self.applied = self.decision_creating(latest).applied
         return self.current
 
-    def _pending(self, store=None) -> list[Change]:
-        store = store or self.store
-        if not store.check([proto.PENDING]):
-            return []
-        return proto.changes_from_json(store.get(proto.PENDING))
-
-    def _decision_creating(self, membership: Membership) -> Decision:
+    def decision_creating(self, membership: Membership) -> Decision:
         """The decision (a boundary or a recovery) that created ``membership``."""
-        for key in (proto.decision_key(membership.epoch - 1, membership.iteration), f"recovery/{membership.epoch - 1}"):
-            if self.store.check([key]):
-                decision = Decision.from_json(self.store.get(key))
-                if decision.next == membership:
-                    return decision
+        previous = membership.epoch - 1
+        for key in (proto.decision_key(previous, membership.iteration), proto.recovery_key(previous)):
+            decision = proto.read_decision(self.store, key)
+            if decision is not None and decision.next == membership:
+                return decision
         raise MembershipError(f"no decision created epoch {membership.epoch}")
 
     def created_by_recovery(self, membership: Membership) -> bool:
         """Whether ``membership`` was decided by the survivors of a failure (who roll back and
         re-sync tied weights on entering it), not at an iteration boundary."""
-        key = f"recovery/{membership.epoch - 1}"
-        return self.store.check([key]) and Decision.from_json(self.store.get(key)).next == membership
+        decision = proto.read_decision(self.store, proto.recovery_key(membership.epoch - 1))
+        return decision is not None and decision.next == membership
 
-    def _read_current(self) -> Membership:
-        return _read_membership(self.store)
+    def previous_members(self, membership: Membership) -> tuple[int, ...]:
+        return proto.read_membership(self.store, membership.epoch - 1).members
 
     # ---- joining -----------------------------------------------------------------------------
 
@@ -314,12 +287,12 @@ class MembershipAgent:
         self.requested_at = time.time()
         current = self._wait_for_epoch(lambda m: self.slot in m.members, deadline, "admitted it")
         self.current = current
-        self.applied = self._decision_creating(current).applied
+        self.applied = self.decision_creating(current).applied
         return current
 
     def _wait_for_epoch(self, condition, deadline: float, what: str) -> Membership:
         while time.monotonic() < deadline:
-            current = self._read_current()
+            current = proto.read_membership(self.store)
             if condition(current):
                 return current
             time.sleep(0.02)
@@ -333,7 +306,7 @@ class MembershipAgent:
     def start_heartbeat(self) -> None:
         if self._heartbeat is not None:
             return
-        store = connect(self.address, self.generation)
+        store = self.connect()
 
         def beat():
             while not self._stop.wait(HEARTBEAT_SECONDS):
@@ -356,8 +329,3 @@ class MembershipAgent:
                 self.store.set(proto.heartbeat_key(self.slot), repr(time.time() + EXIT_GRACE_SECONDS))
             except Exception:  # the launcher is gone already
                 pass
-
-
-def _read_membership(store) -> Membership:
-    epoch = int(store.get(proto.CURRENT_EPOCH))
-    return Membership.from_json(store.get(proto.epoch_key(epoch)))

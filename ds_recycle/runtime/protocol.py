@@ -1,33 +1,44 @@
-"""The coordinator protocol: the environment and the store keys shared by the launcher and the trainers.
+"""The coordinator protocol: the one owner of the store keys and the records written under them.
 
-``ds-recycle launch`` hosts one TCPStore for the whole job and is the single owner of the list of
+``ds-recycle launch`` hosts one store for the whole job and is the single owner of the list of
 pending membership changes. Trainers post requests; the launcher validates them (the job token,
 the slot, the kind) and appends the accepted ones, and the failures it detects itself, to
 ``pending``. At the end of every iteration the current members fix, with one ``compare_set``, which
-pending changes take effect: the first member to reach the boundary decides for all.
+pending changes take effect: the first member to reach the boundary decides for all. After a
+failure the survivors post their progress and fix one recovery decision the same way.
 
 Every key lives under ``job/<generation>/``: a restart from a checkpoint starts a new generation,
-so nothing from the previous one is read again.
+so nothing from the previous one is read again. This table is the whole protocol; no other module
+spells a key.
 
-=========================  ============================================================  ==========
-key                        value                                                         writer
-=========================  ============================================================  ==========
-world_size                 N (the number of slots)                                       launcher
-epoch/<n>                  :class:`Membership` JSON                                      members
-current_epoch              n, advanced by compare_set from n-1                           members
-request_count, request/<k> :class:`Request` JSON (k from ``add(request_count, 1)``)     anyone
-pending                    JSON list of :class:`Change` (append-only, seq = index)       launcher
-alert                      counter, +1 per failure put in ``pending``                    launcher
-decision/<n>/<i>           :class:`Decision` JSON for epoch n at the end of iteration i  members
-heartbeat/<slot>           wall time of the last heartbeat (float), or HEARTBEAT_STOPPED  trainer
-iteration_seconds/<slot>   the trainer's measured iteration time (float)                 trainer
-=========================  ============================================================  ==========
+==============================  =====================================================  ==========
+key                             value                                                  writer
+==============================  =====================================================  ==========
+world_size                      N (the number of slots)                                launcher
+epoch/<n>                       :class:`Membership` JSON                               members
+current_epoch                   n, advanced by compare_set from n-1                    members
+request_count, request/<k>      :class:`Request` JSON (k from ``add(request_count,1)``)  anyone
+pending                         JSON list of :class:`Change` (append-only, seq = index)  launcher
+alert                           counter, +1 per failure put in ``pending``             launcher
+decision/<n>/<i>                :class:`Decision` for epoch n at the end of iteration i  members
+progress/<n>/<slot>             a survivor's :class:`Progress` after a failure in n     members
+recovery/<n>                    the survivors' :class:`Decision` after a failure in n  members
+ready/<n>                       counter: members of epoch n ready to build its world   members
+world/<n>/...                   the gloo rendezvous of epoch n's world                 torch
+heartbeat/<slot>                wall time of the last heartbeat, or HEARTBEAT_STOPPED  trainer
+iteration_seconds/<slot>        the trainer's measured iteration time (float)          trainer
+==============================  =====================================================  ==========
+
+:class:`Store` is all the protocol needs of a store; torch's ``TCPStore`` (behind a
+``PrefixStore``) is the one used, and another store with these methods can stand behind it.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Protocol
 
 ENV_STORE = "DS_RECYCLE_STORE"
 """``host:port`` of the coordinator store (set by ``ds-recycle launch``)."""
@@ -62,6 +73,29 @@ arrives (a respawned process). Without it, a process whose teardown outlasts the
 is declared failed and killed."""
 
 
+STORE_TIMEOUT_SECONDS = 120.0
+"""Bound on a blocking store operation of a trainer (the launcher's store is its own host or a
+neighbour; a healthy operation takes microseconds)."""
+
+
+class Store(Protocol):
+    """The store operations the protocol uses (torch.distributed.Store's names)."""
+
+    def get(self, key: str) -> bytes: ...
+
+    def set(self, key: str, value: str | bytes) -> None: ...
+
+    def add(self, key: str, amount: int) -> int: ...
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes: ...
+
+    def check(self, keys: list[str]) -> bool: ...
+
+    def wait(self, keys: list[str], timeout: timedelta) -> None: ...
+
+    def multi_get(self, keys: list[str]) -> list[bytes]: ...
+
+
 def prefix(generation: int) -> str:
     return f"job/{generation}/"
 
@@ -72,6 +106,23 @@ def epoch_key(epoch: int) -> str:
 
 def decision_key(epoch: int, iteration: int) -> str:
     return f"decision/{epoch}/{iteration}"
+
+
+def recovery_key(epoch: int) -> str:
+    return f"recovery/{epoch}"
+
+
+def progress_key(epoch: int, slot: int) -> str:
+    return f"progress/{epoch}/{slot}"
+
+
+def ready_key(epoch: int) -> str:
+    return f"ready/{epoch}"
+
+
+def world_prefix(epoch: int) -> str:
+    """The prefix of epoch ``epoch``'s gloo rendezvous keys."""
+    return f"world/{epoch}/"
 
 
 def request_key(index: int) -> str:
@@ -91,6 +142,43 @@ CURRENT_EPOCH = "current_epoch"
 REQUEST_COUNT = "request_count"
 PENDING = "pending"
 ALERT = "alert"
+
+
+def connect(address: str, generation: int, timeout: float = STORE_TIMEOUT_SECONDS) -> Store:
+    """A new client of the job store at ``host:port``, under the generation's key prefix. Each
+    thread that may block in a store call needs a client of its own (a blocking call on a TCPStore
+    client blocks every other thread using that client)."""
+    import torch.distributed as dist
+
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"{ENV_STORE}={address!r} must be host:port")
+    base = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+    return dist.PrefixStore(prefix(generation), base)
+
+
+def read_membership(store: Store, epoch: int | None = None) -> Membership:
+    """Epoch ``epoch``'s membership (default: the current epoch's), read fresh from the store."""
+    if epoch is None:
+        epoch = int(store.get(CURRENT_EPOCH))
+    return Membership.from_json(store.get(epoch_key(epoch)))
+
+
+def read_pending(store: Store) -> list[Change]:
+    if not store.check([PENDING]):
+        return []
+    return changes_from_json(store.get(PENDING))
+
+
+def post_request(store: Store, request: Request) -> int:
+    """Append ``request`` for the coordinator; returns its index."""
+    index = int(store.add(REQUEST_COUNT, 1))
+    store.set(request_key(index), request.to_json())
+    return index
+
+
+def read_decision(store: Store, key: str) -> Decision | None:
+    return Decision.from_json(store.get(key)) if store.check([key]) else None
 
 
 @dataclass(frozen=True)
@@ -150,6 +238,23 @@ def changes_from_json(text: str | bytes) -> list[Change]:
         Change(int(c["seq"]), c["kind"], int(c["slot"]), float(c["time"]), c.get("detail", ""))
         for c in json.loads(text)
     ]
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How far a survivor got when a failure stopped it: ``done`` iterations finished, and whether
+    it had already stepped the in-flight iteration ``done``."""
+
+    done: int
+    stepped: bool
+
+    def to_json(self) -> str:
+        return json.dumps([self.done, self.stepped])
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Progress:
+        done, stepped = json.loads(text)
+        return cls(int(done), bool(stepped))
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Every ReCycle transfer and collective is started asynchronously and then waited for here, against
 the failure flag that the :class:`FailureWatcher` raises when the coordinator publishes a failure.
 gloo offers no abort: a blocked op only returns when its peer's sockets close or its timeout fires,
-and ranks that are not talking to the dead peer never notice it (pg-rebuild.md, Q1). So:
+and ranks that are not talking to the dead peer never notice it (docs/design.md §8). So:
 
 - collectives are polled with ``work.is_completed()``;
 - a point-to-point ``wait()`` only completes once called, so it runs in a helper thread while the

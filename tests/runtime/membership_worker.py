@@ -25,6 +25,7 @@ import ds_recycle  # noqa: E402
 from ds_recycle.data import TokenWindowProvider, shield_helper, shipped_corpus_tokens  # noqa: E402
 from ds_recycle.instructions.routed import BackwardInput, BackwardWeight, ForwardPass, StaggeredStep  # noqa: E402
 from ds_recycle.models import GPTConfig, build_gpt_pipeline  # noqa: E402
+from ds_recycle.runtime.recovery import Phase  # noqa: E402
 
 MODEL = dict(seq_len=16, d_model=32, n_heads=4, n_layers=2)
 
@@ -223,8 +224,8 @@ def arm(engine, point: str, iteration: int, out: Path, slot: int) -> None:
     elif point == "allreduce":
         engine.allreduce_bucket = MethodType(before(type(engine).allreduce_bucket), engine)
     elif point == "recovery":
-        engine._recover = MethodType(before(type(engine)._recover), engine)
         armed = lambda: not fired and engine.global_steps >= iteration  # noqa: E731
+        engine.runtime.phase_listeners.append(lambda phase: spring() if phase is Phase.RECOVERING and armed() else None)
     else:
         raise SystemExit(f"--trap point must be one of {POINTS}, got {point!r}")
 

@@ -12,16 +12,12 @@ import os
 import sys
 from pathlib import Path
 
+from ds_recycle.cli.common import UsageError
 from ds_recycle.runtime.protocol import HEARTBEAT_MIN_TIMEOUT_SECONDS
 
 MAX_NPROC = 1024
 """More ranks than this on one host is a typo, not a job."""
-USAGE_ERROR = 2
 HELP = "start N ranks on this host, host the coordinator store, detect failures and respawn ranks"
-
-
-class LaunchUsageError(Exception):
-    """A bad argument of ``ds-recycle launch``: the message names it and the allowed values."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,13 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # The error is handled here rather than raised as ds_recycle.cli.UsageError: under
-    # ``python -m ds_recycle.cli`` that class exists twice (__main__ and ds_recycle.cli).
-    try:
-        _validate(args)
-    except LaunchUsageError as exc:
-        print(f"ds-recycle launch: error: {exc}", file=sys.stderr)
-        return USAGE_ERROR
+    _validate(args)
     from ds_recycle.runtime.coordinator import HeartbeatPolicy
     from ds_recycle.runtime.launcher import LaunchConfig, Launcher
 
@@ -105,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> None:
-    error = LaunchUsageError
+    error = UsageError
     if not 1 <= args.nproc <= MAX_NPROC:
         raise error(f"--nproc {args.nproc}: must be an integer in 1..{MAX_NPROC}")
     for name in ("respawn_delay", "grace", "heartbeat_min_timeout", "startup_timeout"):

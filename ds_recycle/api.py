@@ -1,4 +1,5 @@
-"""``initialize``: ``deepspeed.initialize`` with a RecyclePipelineEngine for pipeline modules."""
+"""The user's entry points: ``initialize`` (``deepspeed.initialize`` with a RecyclePipelineEngine
+for pipeline modules) and ``init_distributed``."""
 
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 
+from ds_recycle import monitoring
 from ds_recycle.config import RecycleConfig, RecycleConfigError
 from ds_recycle.data import DatasetMicroBatches
 from ds_recycle.engine import RecyclePipelineEngine
-from ds_recycle.integrations.wandb import attach_monitors, without_deepspeed_wandb
-from ds_recycle.runtime.distributed import membership_agent
+from ds_recycle.runtime.distributed import init_distributed, membership_agent
+from ds_recycle.runtime.events import Monitor
+
+__all__ = ["init_distributed", "initialize"]
 
 
 def initialize(
@@ -30,6 +34,7 @@ def initialize(
     collate_fn=None,
     config=None,
     config_params=None,
+    monitors: list[Monitor] | None = None,
 ):
     """Same signature and return value as ``deepspeed.initialize``: ``(engine, optimizer,
     training_dataloader, lr_scheduler)``. The ``recycle`` section is validated first, before any
@@ -42,10 +47,14 @@ def initialize(
 
     Under ``ds-recycle launch``, a respawned process returns from here already caught up: it was
     admitted at an iteration boundary and holds a live replica's state, ``engine.global_steps``
-    included."""
+    included.
+
+    ``monitors``: objects with ``on_membership_change``, ``on_iteration`` and ``close``
+    (:class:`ds_recycle.runtime.events.Monitor`), called on the lowest live rank, besides those that
+    ``recycle.monitor`` names."""
     config = _resolve_config(args, config if config is not None else config_params)
     recycle = RecycleConfig.from_ds_config(config)
-    config = without_deepspeed_wandb(config, recycle)  # recycle.monitor.wandb replaces DeepSpeed's wandb monitor
+    config = monitoring.prepare_ds_config(config, recycle)  # e.g. recycle.monitor.wandb replaces DeepSpeed's
     if not isinstance(model, PipelineModule):
         if recycle.enabled:
             raise RecycleConfigError(
@@ -107,7 +116,7 @@ def initialize(
         micro_batch_source=provider,
     )
     engine._configure_python_gc()
-    attach_monitors(engine, recycle, config)  # recycle.monitor: called on the lowest live rank only
+    monitoring.attach(engine, recycle, config, monitors or ())  # called on the lowest live rank only
     if recycle.enabled and training_data is not None:
         engine.micro_batch_source = DatasetMicroBatches(
             training_data,
@@ -119,11 +128,12 @@ def initialize(
         )
     if recycle.enabled and not (agent is not None and agent.is_joiner):
         engine.resume_from_checkpoint()  # recycle.checkpoint: continue from its latest, if any
-    if agent is not None:
+    if engine.runtime is not None:
         if agent.is_joiner:
-            engine.join()
+            engine.runtime.join()
         else:
-            engine.start_membership()
+            engine.runtime.start()
+            engine.warn_if_data_is_per_pipeline()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
