@@ -12,16 +12,18 @@ import os
 import sys
 from pathlib import Path
 
+from ds_recycle.cli import nodes
 from ds_recycle.cli.common import UsageError
 from ds_recycle.runtime.protocol import HEARTBEAT_MIN_TIMEOUT_SECONDS
 
 MAX_NPROC = 1024
 """More ranks than this on one host is a typo, not a job."""
-HELP = "start N ranks on this host, host the coordinator store, detect failures and respawn ranks"
+HELP = "start the ranks of this node, host or join the coordinator store, detect failures and respawn ranks"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nproc", type=int, required=True, metavar="N", help="number of ranks (slots) to start")
+    parser.add_argument("--nproc", type=int, default=None, metavar="N", help="one node: number of ranks (slots)")
+    nodes.add_arguments(parser)
     parser.add_argument(
         "--respawn", action="store_true", help="start a rank that ended again (it re-joins); restart on exit code 75"
     )
@@ -69,13 +71,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    _validate(args)
+    node = nodes.resolve(args)
+    _validate(args, node)
     from ds_recycle.runtime.coordinator import HeartbeatPolicy
     from ds_recycle.runtime.launcher import LaunchConfig, Launcher
 
     config = LaunchConfig(
         argv=[args.script, *args.script_args],
-        nproc=args.nproc,
+        nproc=node.nproc_per_node,
+        nnodes=node.nnodes,
+        node_rank=node.node_rank,
+        endpoint=node.endpoint,
+        node_lease=args.node_lease,
+        token=node.token,
         respawn=args.respawn,
         respawn_delay=args.respawn_delay,
         max_restarts=args.max_restarts,
@@ -94,16 +102,18 @@ def run(args: argparse.Namespace) -> int:
     return Launcher(config).run(handle_signals=True)
 
 
-def _validate(args: argparse.Namespace) -> None:
+def _validate(args: argparse.Namespace, node: nodes.NodeSpec) -> None:
     error = UsageError
-    if not 1 <= args.nproc <= MAX_NPROC:
-        raise error(f"--nproc {args.nproc}: must be an integer in 1..{MAX_NPROC}")
+    if not 1 <= node.nproc_per_node <= MAX_NPROC:
+        raise error(f"--nproc {node.nproc_per_node}: must be an integer in 1..{MAX_NPROC}")
     for name in ("respawn_delay", "grace", "heartbeat_min_timeout", "startup_timeout"):
         value = getattr(args, name)
         if not value >= 0:  # also catches nan
             raise error(f"--{name.replace('_', '-')} {value:g}: must be >= 0 seconds")
     if args.max_restarts is not None and args.max_restarts < 0:
         raise error(f"--max-restarts {args.max_restarts}: must be an integer >= 0 (leave it out for no cap)")
+    if not args.node_lease > 0:
+        raise error(f"--node-lease {args.node_lease:g}: must be > 0 seconds")
     if not args.heartbeat_factor > 0:
         raise error(f"--heartbeat-factor {args.heartbeat_factor:g}: must be > 0")
     if args.timeout is not None and not args.timeout > 0:

@@ -39,7 +39,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ds_recycle.runtime import protocol as proto
-from ds_recycle.runtime.protocol import Change, Membership, Request
+from ds_recycle.runtime.protocol import AgentReport, Change, KillOrder, Lease, Membership, Request
+
+RENEW_MAX_SECONDS = 0.1
+"""An agent renews its node's lease every fifth of the lease timeout, at least every 0.1 s: a node's
+lease is also how a dead node (no agent left to waitpid its ranks) is told from a live one."""
+
+
+def renew_seconds(lease_seconds: float) -> float:
+    return min(RENEW_MAX_SECONDS, 0.2 * lease_seconds)
 
 STORE_OP_SECONDS = 30.0
 """Bound on any single store operation of the coordinator (the store is local; a healthy op takes µs)."""
@@ -69,6 +77,22 @@ class HeartbeatPolicy:
         if iteration_seconds is None:
             return self.min_timeout
         return max(self.min_timeout, self.factor * iteration_seconds)
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """``count`` nodes of ``per_node`` contiguous slots each (node k owns slots k*G .. k*G+G-1)."""
+
+    count: int
+    per_node: int
+    lease_seconds: float
+    """A node whose agent has not renewed its lease for this long is failed as a whole."""
+
+    def node_of(self, slot: int) -> int:
+        return slot // self.per_node
+
+    def slots(self, node: int) -> range:
+        return range(node * self.per_node, (node + 1) * self.per_node)
 
 
 @dataclass(frozen=True)
@@ -116,10 +140,16 @@ class Coordinator:
         log: Callable[[str], None],
         kill: Callable[[int, int], None],
         policy: HeartbeatPolicy | None = None,
+        nodes: NodeLayout | None = None,
     ) -> None:
-        """``kill(slot, incarnation)`` must SIGKILL that process if it is still the slot's current one."""
+        """``kill(slot, incarnation)`` must SIGKILL that process if it is still the slot's current one
+        (for a slot of node 0, whose agent runs this coordinator; other nodes' agents get kill orders)."""
         self.host, self.port, self.generation = host, port, generation
         self.world_size = world_size
+        self.nodes = nodes or NodeLayout(1, world_size, 5.0)
+        self._dead_nodes: set[tuple[int, int]] = set()
+        """(node, node incarnation) pairs whose lease lapsed: their reports are refused."""
+        self._next_report = 1
         self.token = token
         self.policy = policy or HeartbeatPolicy()
         self._log = log
@@ -173,6 +203,11 @@ class Coordinator:
         self._exits.put(exit)
         self._wake.set()
 
+    def all_ended(self) -> bool:
+        """Every slot that ever started has ended (seen by waitpid here or on its node)."""
+        with self._lock:
+            return all(not incarnation.running for incarnation in self._incarnations.values())
+
     def membership(self) -> Membership:
         """The current epoch's membership, read fresh from the store."""
         with self._query_lock:
@@ -202,6 +237,9 @@ class Coordinator:
             self._wake.clear()
 
     def _tick(self) -> None:
+        if self.nodes.count > 1:
+            self._poll_reports()
+            self._check_leases()
         self._drain_exits()
         self._poll_requests()
         if self.policy.enabled and time.monotonic() - self._last_heartbeat_check >= HEARTBEAT_CHECK_SECONDS:
@@ -305,6 +343,86 @@ class Coordinator:
             return "a join of this slot is already pending"
         return ""
 
+    # ---- other nodes ---------------------------------------------------------------------------
+
+    def _poll_reports(self) -> None:
+        """Starts and exits that other nodes' agents saw (their waitpid), as if seen here."""
+        count = int(self._store.add(proto.REPORT_COUNT, 0))
+        while self._next_report <= count:
+            key = proto.report_key(self._next_report)
+            if not self._store.check([key]):
+                return  # counted, not yet written
+            self._next_report += 1
+            report = AgentReport.from_json(self._store.get(key))
+            why = self._report_refusal(report)
+            if why:
+                self._log(f"refused report of node {report.node}: {why}")
+                continue
+            if report.kind == "started":
+                self.rank_started(report.slot, report.incarnation, report.time)
+            else:
+                self.rank_exited(RankExit(report.slot, report.incarnation, report.code, report.time))
+
+    def _report_refusal(self, report: AgentReport) -> str:
+        if not hmac.compare_digest(report.token.encode(), self.token.encode()):
+            return "wrong token"
+        if report.kind not in ("started", "exited") or not 0 < report.node < self.nodes.count:
+            return f"kind {report.kind!r} from node {report.node}"
+        if report.slot not in self.nodes.slots(report.node):
+            return f"slot {report.slot} is not on node {report.node}"
+        if (report.node, report.node_incarnation) in self._dead_nodes:
+            return f"its incarnation {report.node_incarnation} was failed (lease lapsed)"
+        return ""
+
+    def _check_leases(self, older_than: float | None = None) -> list[int]:
+        """Fail every node whose lease is older than ``older_than`` (default: the lease timeout), all
+        of its member ranks in one change; returns the nodes failed."""
+        limit = self.nodes.lease_seconds if older_than is None else older_than
+        failed = []
+        now = time.time()
+        for node in range(1, self.nodes.count):
+            key = proto.lease_key(node)
+            if not self._store.check([key]):
+                continue
+            lease = Lease.from_json(self._store.get(key))
+            age = now - lease.time
+            if age <= limit or (node, lease.node_incarnation) in self._dead_nodes:
+                continue
+            self._dead_nodes.add((node, lease.node_incarnation))
+            failed.append(node)
+            self._fail_node(node, f"lease of node {node} (incarnation {lease.node_incarnation}) lapsed {age:.2f} s ago")
+        return failed
+
+    def _fail_node(self, node: int, detail: str) -> None:
+        membership = proto.read_membership(self._store)
+        slots = [
+            slot for slot in self.nodes.slots(node) if slot in membership.members and not self._failed(slot)
+        ]
+        with self._lock:
+            for slot in self.nodes.slots(node):
+                if slot in self._incarnations:
+                    self._incarnations[slot].running = False
+        joining = [slot for slot in self.nodes.slots(node) if self._join_pending(slot, membership)]
+        now = time.time()
+        self._append_all([(proto.FAILED, slot, now, detail) for slot in slots + joining], alert=True)
+        self._log(f"published failure of node {node}: slots {slots + joining} in one change ({detail})")
+
+    def _join_pending(self, slot: int, membership: Membership) -> bool:
+        last = self._last_change(slot)
+        return slot not in membership.members and last is not None and last.kind == proto.JOIN
+
+    def _failed(self, slot: int) -> bool:
+        last = self._last_change(slot)
+        return last is not None and last.kind == proto.FAILED
+
+    def _kill_rank(self, slot: int, incarnation: int) -> None:
+        node = self.nodes.node_of(slot)
+        if node == 0:
+            self._kill(slot, incarnation)
+            return
+        index = int(self._store.add(proto.kill_count_key(node), 1))
+        self._store.set(proto.kill_key(node, index), KillOrder(slot, incarnation).to_json())
+
     def _answer_probe(self, request: Request) -> None:
         """A member's peer stopped answering and no failure was published: every member whose
         process has ended (whatever its code: a member that exits 0 before the job is finished
@@ -318,6 +436,10 @@ class Coordinator:
             if incarnation is not None and not incarnation.running and not (last and last.kind == proto.FAILED):
                 ended.append(slot)
                 self._append(proto.FAILED, slot, time.time(), "ended while still a member", alert=True)
+        if self.nodes.count > 1:
+            # A node whose agent died with its ranks reports nothing: its lease is only getting old.
+            quiet = self._check_leases(older_than=max(0.3, 3 * renew_seconds(self.nodes.lease_seconds)))
+            ended += [slot for node in quiet for slot in self.nodes.slots(node)]
         found = f"published failure of ended members {ended}" if ended else "every member's process is running"
         self._log(f"probe from slot {request.slot} (pid {request.pid}) in epoch {membership.epoch}: {found}")
 
@@ -356,17 +478,24 @@ class Coordinator:
     def _declare_hung(self, slot: int, incarnation: int, detail: str) -> None:
         self._append(proto.FAILED, slot, time.time(), detail, alert=True)
         self._log(f"published failure of slot {slot}: {detail}; killing its process")
-        self._kill(slot, incarnation)
+        self._kill_rank(slot, incarnation)
 
     # ---- pending -------------------------------------------------------------------------------
 
     def _append(self, kind: str, slot: int, when: float, detail: str, alert: bool = False) -> None:
+        self._append_all([(kind, slot, when, detail)], alert)
+
+    def _append_all(self, changes: list[tuple[str, int, float, str]], alert: bool = False) -> None:
+        """Append ``changes`` (kind, slot, time, detail) in one write: a decision takes all or none."""
+        if not changes:
+            return
         with self._lock:
-            self._pending.append(Change(len(self._pending), kind, slot, when, detail))
+            for kind, slot, when, detail in changes:
+                self._pending.append(Change(len(self._pending), kind, slot, when, detail))
             text = proto.changes_to_json(self._pending)
         self._store.set(proto.PENDING, text)
         if alert:
-            self._store.add(proto.ALERT, 1)
+            self._store.add(proto.ALERT, sum(1 for kind, *_ in changes if kind == proto.FAILED))
 
     def _last_change(self, slot: int) -> Change | None:
         with self._lock:

@@ -43,7 +43,8 @@ from datetime import timedelta
 from pathlib import Path
 
 from ds_recycle.runtime import protocol as proto
-from ds_recycle.runtime.coordinator import Coordinator, HeartbeatPolicy, RankExit, describe_returncode
+from ds_recycle.runtime.coordinator import Coordinator, HeartbeatPolicy, NodeLayout, RankExit, describe_returncode
+from ds_recycle.runtime.node import NodeLink, NodeRefused
 from ds_recycle.runtime.protocol import Membership
 
 TIMEOUT_EXIT_CODE = 124
@@ -51,6 +52,8 @@ FAILURE_EXIT_CODE = 1
 POLL_SECONDS = 0.002
 """The waitpid poll period: detection latency of a death is at most this plus the coordinator's tick."""
 LOG_PREFIX = "[ds-recycle launch]"
+OTHER_NODES_GRACE_SECONDS = 60.0
+PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -72,6 +75,15 @@ class LaunchConfig:
     argv: list[str]
     """The script and its arguments, run as ``python argv...``."""
     nproc: int
+    """Ranks on this node (``--nproc`` or ``--nproc-per-node``)."""
+    nnodes: int = 1
+    node_rank: int = 0
+    endpoint: tuple[str, int] | None = None
+    """Where node 0's agent hosts the store (``--rdzv-endpoint``); None: one node, any free port."""
+    node_lease: float = 5.0
+    """A node whose agent has not renewed its lease for this long is failed as a whole."""
+    token: str | None = None
+    """The job token, the same on every node (None on one node: a fresh random one)."""
     respawn: bool = False
     respawn_delay: float = 1.0
     timeout: float | None = None
@@ -125,14 +137,20 @@ class Launcher:
         self._echo = echo or _print
         self._echo_lock = threading.Lock()
         self._procs_lock = threading.Lock()  # reaping vs. the coordinator's kill
-        self.slots = [_Slot(r) for r in range(config.nproc)]
+        first = config.node_rank * config.nproc
+        self.slots = [_Slot(r) for r in range(first, first + config.nproc)]
+        self._by_slot = {s.slot: s for s in self.slots}
+        self.world_size = config.nnodes * config.nproc
         self.generation = 0
-        self.token = secrets.token_hex(16)
+        self.token = config.token or secrets.token_hex(16)
+        self.fenced: str | None = None
+        """Why this node fenced itself (it could not renew its lease), or None."""
         self.finished = False
         self.stopped = False
         """A rank reported that training cannot go on (STOP_EXIT_CODE): no more respawns."""
         self.restart_requested = False
         self._signal: int | None = None
+        self._others_deadline: float | None = None
         self._server = None
         self.coordinator: Coordinator | None = None
 
@@ -144,7 +162,11 @@ class Launcher:
         try:
             self._host_store()
             self._truncate_logs()
-            self._start_generation()
+            try:
+                self._start_generation()
+            except NodeRefused as refused:
+                self.log(f"refused: {refused}")
+                return FAILURE_EXIT_CODE
             return self._loop()
         finally:
             self._kill_all()
@@ -161,36 +183,97 @@ class Launcher:
 
     @property
     def address(self) -> tuple[str, int]:
+        if self.config.node_rank > 0:
+            return self.config.endpoint
         return self.config.host, self._server.port
+
+    @property
+    def hosts_coordinator(self) -> bool:
+        return self.config.node_rank == 0
 
     # ---- setup ---------------------------------------------------------------------------------
 
     def _host_store(self) -> None:
         import torch.distributed as dist
 
-        self._server = dist.TCPStore(
-            self.config.host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
-        )
-        self.log(f"store listening on {self.config.host}:{self._server.port}")
+        if not self.hosts_coordinator:
+            return
+        host, port = self.config.endpoint or (self.config.host, 0)
+        self._server = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+        self.log(f"store listening on {host}:{self._server.port}")
 
     def _start_generation(self) -> None:
         import torch.distributed as dist
 
-        g, n = self.generation, self.config.nproc
-        store = dist.PrefixStore(proto.prefix(g), self._server)
-        store.set(proto.WORLD_SIZE, str(n))
-        store.set(proto.epoch_key(0), Membership(0, tuple(range(n)), 0).to_json())
-        store.set(proto.PENDING, proto.changes_to_json([]))
-        store.set(proto.CURRENT_EPOCH, "0")
+        g, n = self.generation, self.world_size
         host, port = self.address
-        self.coordinator = Coordinator(
-            host, port, g, n, self.token, log=self.log, kill=self._kill_incarnation, policy=self.config.heartbeat
-        )
+        if self.hosts_coordinator:
+            store = dist.PrefixStore(proto.prefix(g), self._server)
+            store.set(proto.WORLD_SIZE, str(n))
+            store.set(proto.epoch_key(0), Membership(0, tuple(range(n)), 0).to_json())
+            store.set(proto.PENDING, proto.changes_to_json([]))
+            store.set(proto.CURRENT_EPOCH, "0")
+            layout = NodeLayout(self.config.nnodes, self.config.nproc, self.config.node_lease)
+            self.coordinator = Coordinator(
+                host,
+                port,
+                g,
+                n,
+                self.token,
+                log=self.log,
+                kill=self._kill_incarnation,
+                policy=self.config.heartbeat,
+                nodes=layout,
+            )
+            first_incarnation = 0
+        else:
+            self.coordinator = self._link_to_coordinator(f"{host}:{port}", g)
+            first_incarnation = self.coordinator.node_incarnation - 1
         self.coordinator.start()
         self.restart_requested = False
         for s in self.slots:
-            s.incarnation, s.respawn_at = 0, None
+            s.incarnation, s.respawn_at = first_incarnation, None
             self._spawn(s)
+
+    def _link_to_coordinator(self, address: str, generation: int) -> NodeLink:
+        """Node K > 0: wait for node 0's store, register a node incarnation (a restarted agent's
+        ranks join the running job), and hold the node's lease."""
+        import torch.distributed as dist
+
+        deadline = time.monotonic() + self.config.node_lease + 60.0
+        while True:
+            try:
+                store = proto.connect(address, generation, timeout=5.0)
+                store.wait([proto.WORLD_SIZE], timedelta(seconds=60))
+                break
+            except (RuntimeError, dist.DistStoreError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        link = NodeLink(
+            address,
+            generation,
+            self.config.node_rank,
+            self.token,
+            self.config.node_lease,
+            log=self.log,
+            kill=self._kill_incarnation,
+            fence=self._fence,
+        )
+        incarnation = link.register()
+        what = "re-joins the running job" if link.rejoining else "starts"
+        slots = [s.slot for s in self.slots]
+        self.log(f"node {self.config.node_rank} (incarnation {incarnation}) {what}: slots {slots}")
+        return link
+
+    def _fence(self, why: str) -> None:
+        """Called by the node's link when its lease lapsed: kill every rank of this node now."""
+        self.fenced = why
+        self.log(f"node {self.config.node_rank} fences itself: {why}; killing its ranks")
+        with self._procs_lock:
+            for s in self.slots:
+                if s.running:
+                    _killpg(s.proc.pid)
 
     def _spawn(self, s: _Slot) -> None:
         config = self.config
@@ -202,8 +285,10 @@ class Launcher:
         env.update(
             {
                 "RANK": str(s.slot),
-                "LOCAL_RANK": str(s.slot),
-                "WORLD_SIZE": str(config.nproc),
+                "LOCAL_RANK": str(s.slot - config.node_rank * config.nproc),
+                "GROUP_RANK": str(config.node_rank),
+                "NODE_RANK": str(config.node_rank),
+                "WORLD_SIZE": str(self.world_size),
                 "LOCAL_WORLD_SIZE": str(config.nproc),
                 "MASTER_ADDR": host,
                 "MASTER_PORT": str(port),
@@ -218,11 +303,12 @@ class Launcher:
         )
         cmd = [config.python, *config.argv]
         started = time.time()
+        options = {"env": env, "start_new_session": True, "preexec_fn": _die_with_parent}
         if config.log_dir is None:
-            proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+            proc = subprocess.Popen(cmd, **options)
         else:
             with open(Path(config.log_dir) / f"rank{s.slot}.log", "a") as log:
-                proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, **options)
         with self._procs_lock:
             s.proc = proc
             s.started_at = time.monotonic()
@@ -247,6 +333,10 @@ class Launcher:
                 return TIMEOUT_EXIT_CODE
             if self._signal is not None:
                 return self._stop_on_signal()
+            if self.fenced is not None:
+                self._kill_all()
+                self.log(f"node {self.config.node_rank} ended: fenced ({self.fenced})")
+                return FAILURE_EXIT_CODE
             for s in self.slots:
                 self._reap(s)
             if self.finished:
@@ -277,6 +367,9 @@ class Launcher:
                     self._start_generation()
                     continue
             elif not running and not any(s.respawn_at is not None for s in self.slots):
+                if self.hosts_coordinator and not self._other_nodes_ended(now):
+                    time.sleep(POLL_SECONDS)
+                    continue
                 return self._final_code()
             elif self.finished and running and now >= next_straggler_check:
                 next_straggler_check = now + 0.2
@@ -340,6 +433,15 @@ class Launcher:
                 f"{', '.join(s.quick_failures)}); respawning it in {delay:g} s"
             )
         s.respawn_at = time.monotonic() + delay
+
+    def _other_nodes_ended(self, now: float) -> bool:
+        """Node 0 hosts the store: it stays until every other node's ranks have ended (their
+        agents report it), so that none of them loses the store while it finishes (bounded)."""
+        if self.config.nnodes == 1:
+            return True
+        if self._others_deadline is None:
+            self._others_deadline = now + OTHER_NODES_GRACE_SECONDS
+        return self.coordinator.all_ended() or now >= self._others_deadline
 
     def _end_stragglers(self, running: list[_Slot]) -> None:
         """Once finished, a process that is not a member (a joiner nobody will admit) is stopped."""
@@ -406,7 +508,9 @@ class Launcher:
 
     def _kill_incarnation(self, slot: int, incarnation: int) -> None:
         """The coordinator's callback for a hung member: SIGKILL it if it is still that incarnation."""
-        s = self.slots[slot]
+        s = self._by_slot.get(slot)
+        if s is None:
+            return
         with self._procs_lock:
             if s.incarnation == incarnation and s.running:
                 _killpg(s.proc.pid)
@@ -477,6 +581,14 @@ def free_port() -> int:
 
 def _print(line: str) -> None:
     print(line, flush=True)
+
+
+def _die_with_parent() -> None:
+    """In a rank, before exec: SIGKILL when the agent that started it dies (no orphan outlives
+    its node's agent)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _killpg(pid: int, sig: int = signal.SIGKILL) -> None:

@@ -31,7 +31,7 @@ EXIT_GRACE_SECONDS = 30.0
 """The last heartbeat, written at interpreter exit, is dated this far ahead: tearing down torch and
 gloo can take longer than the hang timeout, and an exiting process is not a hung one."""
 POLL_SECONDS = 0.002
-PROBE_AFTER_SECONDS = 1.0
+PROBE_AFTER_SECONDS = 0.2
 """A survivor whose peer stopped answering asks the coordinator after this long without a failure."""
 LEAVE_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 

@@ -27,7 +27,15 @@ ready/<n>                       counter: members of epoch n ready to build its w
 world/<n>/...                   the gloo rendezvous of epoch n's world                 torch
 heartbeat/<slot>                wall time of the last heartbeat, or HEARTBEAT_STOPPED  trainer
 iteration_seconds/<slot>        the trainer's measured iteration time (float)          trainer
+node_incarnation/<node>         counter: +1 per agent start of that node               agent
+lease/<node>                    :class:`Lease` JSON, renewed by the node's agent         agent
+report_count, report/<k>        :class:`AgentReport` JSON: a rank started or exited    agent
+kill_count/<node>, kill/<node>/<k>  slot and incarnation the node's agent must kill    launcher
 ==============================  =====================================================  ==========
+
+With several nodes, node 0's agent hosts the store and the coordinator; every other node's agent
+reports its ranks' starts and exits (``report/<k>``), holds a lease (``lease/<node>``), and carries
+out the coordinator's kills (``kill/<node>/<k>``).
 
 :class:`Store` is all the protocol needs of a store; torch's ``TCPStore`` (behind a
 ``PrefixStore``) is the one used, and another store with these methods can stand behind it.
@@ -125,6 +133,26 @@ def world_prefix(epoch: int) -> str:
     return f"world/{epoch}/"
 
 
+def lease_key(node: int) -> str:
+    return f"lease/{node}"
+
+
+def node_incarnation_key(node: int) -> str:
+    return f"node_incarnation/{node}"
+
+
+def report_key(index: int) -> str:
+    return f"report/{index}"
+
+
+def kill_count_key(node: int) -> str:
+    return f"kill_count/{node}"
+
+
+def kill_key(node: int, index: int) -> str:
+    return f"kill/{node}/{index}"
+
+
 def request_key(index: int) -> str:
     return f"request/{index}"
 
@@ -140,6 +168,7 @@ def iteration_seconds_key(slot: int) -> str:
 WORLD_SIZE = "world_size"
 CURRENT_EPOCH = "current_epoch"
 REQUEST_COUNT = "request_count"
+REPORT_COUNT = "report_count"
 PENDING = "pending"
 ALERT = "alert"
 
@@ -215,6 +244,72 @@ class Request:
     def from_json(cls, text: str | bytes) -> Request:
         data = json.loads(text)
         return cls(str(data["kind"]), int(data["slot"]), str(data["token"]), int(data["pid"]), float(data["time"]))
+
+
+@dataclass(frozen=True)
+class AgentReport:
+    """A node's agent tells the coordinator that one of its ranks started or exited."""
+
+    kind: str
+    """``started`` or ``exited``."""
+    node: int
+    node_incarnation: int
+    slot: int
+    incarnation: int
+    pid: int
+    code: int | None
+    """Popen's convention for ``exited``; None for ``started``."""
+    time: float
+    token: str
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> AgentReport:
+        data = json.loads(text)
+        code = data["code"]
+        return cls(
+            str(data["kind"]),
+            int(data["node"]),
+            int(data["node_incarnation"]),
+            int(data["slot"]),
+            int(data["incarnation"]),
+            int(data["pid"]),
+            None if code is None else int(code),
+            float(data["time"]),
+            str(data["token"]),
+        )
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A node's agent is alive: renewed every fraction of the lease timeout."""
+
+    node_incarnation: int
+    time: float
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Lease:
+        data = json.loads(text)
+        return cls(int(data["node_incarnation"]), float(data["time"]))
+
+
+@dataclass(frozen=True)
+class KillOrder:
+    slot: int
+    incarnation: int
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> KillOrder:
+        data = json.loads(text)
+        return cls(int(data["slot"]), int(data["incarnation"]))
 
 
 @dataclass(frozen=True)

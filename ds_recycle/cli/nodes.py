@@ -1,0 +1,184 @@
+"""Which node this agent is, from ``ds-recycle launch``'s flags or the environment.
+
+The same command runs on every node, torchrun's spelling::
+
+    ds-recycle launch --nnodes N --node-rank K --nproc-per-node G --rdzv-endpoint HOST:PORT SCRIPT ...
+
+Flags win; when one is absent it comes from Slurm (``SLURM_NNODES``, ``SLURM_NODEID``,
+``SLURM_GPUS_ON_NODE``, the first host of ``SLURM_JOB_NODELIST``) or torchrun-style variables
+(``NODE_RANK``/``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``). The job token is the same on every
+node: ``DS_RECYCLE_TOKEN`` (set by the batch script) or ``--token-file`` (mode 600).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from ds_recycle.cli.common import UsageError
+
+MAX_NODES = 4096
+DEFAULT_PORT = 29500
+TOKEN_ENV = "DS_RECYCLE_TOKEN"
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    nnodes: int
+    node_rank: int
+    nproc_per_node: int
+    endpoint: tuple[str, int] | None
+    """Where node 0 hosts the store; None for a one-node job (any free port on --host)."""
+    token: str | None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("several nodes (one agent per node; the same command on every node)")
+    group.add_argument("--nnodes", default=None, metavar="N", help="number of nodes (default: SLURM_NNODES, or 1)")
+    group.add_argument(
+        "--node-rank", "--node_rank", dest="node_rank", default=None, metavar="K", help="this node (0..N-1)"
+    )
+    group.add_argument(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        dest="nproc_per_node",
+        default=None,
+        metavar="G",
+        help="ranks on each node (default: SLURM_GPUS_ON_NODE)",
+    )
+    group.add_argument(
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        dest="rdzv_endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="where node 0's agent hosts the store and the coordinator",
+    )
+    group.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id", default=None, metavar="JOB", help="a job name")
+    group.add_argument("--master-addr", "--master_addr", dest="master_addr", default=None, metavar="HOST")
+    group.add_argument("--master-port", "--master_port", dest="master_port", default=None, metavar="PORT")
+    group.add_argument(
+        "--node-lease",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="a node whose agent has not renewed its lease for S seconds is failed as a whole (default 5)",
+    )
+    group.add_argument("--token-file", default=None, metavar="FILE", help="the job token (mode 600)")
+
+
+def resolve(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> NodeSpec:
+    """The node this agent is; raises UsageError naming the flag or variable and what is allowed."""
+    nnodes = _nnodes(args.nnodes, environ)
+    if args.nproc is not None and args.nproc_per_node is not None:
+        raise UsageError("--nproc and --nproc-per-node: give one of them (--nproc N is one node of N ranks)")
+    if args.nproc is not None:
+        if nnodes != 1:
+            raise UsageError(f"--nproc with --nnodes {nnodes}: use --nproc-per-node G on several nodes")
+        return NodeSpec(1, 0, _int_in("--nproc", args.nproc, 1, 1024), None, None)
+    per_node = _first(args.nproc_per_node, "--nproc-per-node", environ, "SLURM_GPUS_ON_NODE")
+    if per_node is None:
+        raise UsageError("--nproc N (one node) or --nproc-per-node G is required (or SLURM_GPUS_ON_NODE)")
+    nproc = _int_in(per_node[1], per_node[0], 1, 1024)
+    rank = _first(args.node_rank, "--node-rank", environ, "SLURM_NODEID", "NODE_RANK", "GROUP_RANK")
+    node_rank = 0 if rank is None else _int_in(rank[1], rank[0], 0, nnodes - 1)
+    if nnodes == 1:
+        return NodeSpec(1, 0, nproc, None, None)
+    endpoint = _endpoint(args, environ)
+    return NodeSpec(nnodes, node_rank, nproc, endpoint, _token(args.token_file, environ))
+
+
+def _nnodes(value: str | None, environ: Mapping[str, str]) -> int:
+    found = _first(value, "--nnodes", environ, "SLURM_NNODES")
+    if found is None:
+        return 1
+    text, name = found
+    if ":" in str(text):
+        raise UsageError(
+            f"{name} {text}: ReCycle's P x D grid is fixed, so an elastic range MIN:MAX is not accepted; give "
+            "one number (a lost node is survived in place and re-admitted, not re-rendezvoused)"
+        )
+    return _int_in(name, text, 1, MAX_NODES)
+
+
+def _endpoint(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, int]:
+    if args.rdzv_endpoint is not None:
+        host, _, port = str(args.rdzv_endpoint).rpartition(":")
+        if not host or not port:
+            raise UsageError(f"--rdzv-endpoint {args.rdzv_endpoint}: expected HOST:PORT")
+        return host, _int_in("--rdzv-endpoint port", port, 1, 65535)
+    host = _first(args.master_addr, "--master-addr", environ, "MASTER_ADDR")
+    if host is None and environ.get("SLURM_JOB_NODELIST"):
+        hosts = expand_hostlist(environ["SLURM_JOB_NODELIST"])
+        host = (hosts[0], "SLURM_JOB_NODELIST")
+    if host is None:
+        raise UsageError("several nodes need --rdzv-endpoint HOST:PORT (or --master-addr, MASTER_ADDR, Slurm)")
+    port = _first(args.master_port, "--master-port", environ, "MASTER_PORT")
+    return str(host[0]), DEFAULT_PORT if port is None else _int_in(port[1], port[0], 1, 65535)
+
+
+def _token(token_file: str | None, environ: Mapping[str, str]) -> str:
+    if token_file is not None:
+        path = Path(token_file)
+        try:
+            mode = path.stat().st_mode
+            text = path.read_text().strip()
+        except OSError as exc:
+            raise UsageError(f"--token-file {token_file}: cannot read it ({exc.strerror})") from None
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise UsageError(f"--token-file {token_file}: readable by others (mode {oct(mode & 0o777)}); chmod 600 it")
+        token = text
+    else:
+        token = environ.get(TOKEN_ENV, "")
+    if not re.fullmatch(r"[0-9A-Za-z_\-]{16,256}", token):
+        raise UsageError(
+            f"several nodes need the same job token on every node: {TOKEN_ENV} or --token-file, 16 to 256 "
+            "characters of [0-9A-Za-z_-] (e.g. `export DS_RECYCLE_TOKEN=$(openssl rand -hex 16)` in the batch script)"
+        )
+    return token
+
+
+def _first(flag_value, flag: str, environ: Mapping[str, str], *variables: str) -> tuple[str, str] | None:
+    """(value, where it came from) of the flag, else of the first variable set."""
+    if flag_value is not None:
+        return str(flag_value), flag
+    for name in variables:
+        if environ.get(name):
+            return environ[name], name
+    return None
+
+
+def _int_in(name: str, value, low: int, high: int) -> int:
+    try:
+        number = int(str(value))
+    except ValueError:
+        raise UsageError(f"{name} {value}: must be an integer in {low}..{high}") from None
+    if not low <= number <= high:
+        raise UsageError(f"{name} {value}: must be an integer in {low}..{high}")
+    return number
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """Slurm's compressed host list: ``node[01-03,07],gpu5`` -> node01 node02 node03 node07 gpu5."""
+    hosts: list[str] = []
+    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", text):
+        match = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", part)
+        if match is None:
+            hosts.append(part)
+            continue
+        prefix, ranges, suffix = match.groups()
+        for item in ranges.split(","):
+            low, _, high = item.partition("-")
+            if not low.isdigit() or (high and not high.isdigit()):
+                raise UsageError(f"SLURM_JOB_NODELIST {text}: cannot read the range {item!r}")
+            width = len(low)
+            for number in range(int(low), int(high or low) + 1):
+                hosts.append(f"{prefix}{number:0{width}d}{suffix}")
+    if not hosts:
+        raise UsageError(f"SLURM_JOB_NODELIST {text!r}: no host in it")
+    return hosts

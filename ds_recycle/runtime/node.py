@@ -1,0 +1,158 @@
+"""A node's link to the coordinator, on every node but node 0 (whose agent hosts the coordinator).
+
+The launcher of node K > 0 hands it what waitpid sees; in a thread of its own (with its own store
+client) the link
+
+- reports its ranks' starts and exits (``report/<k>``), which the coordinator treats as it treats
+  node 0's own;
+- renews the node's lease (``lease/<K>``) every fifth of the lease timeout (at least every 0.1 s);
+- carries out the coordinator's kills (``kill/<K>/<k>``: a hung rank of this node);
+- **fences** the node when it could not renew its lease for the whole timeout (a partition, the
+  coordinator's host gone, or this node frozen and thawed): it kills every rank of the node at
+  once, so that a node the coordinator may already have declared dead never comes back as a zombie
+  member, and the launcher ends with an error.
+
+The link registers as a new node incarnation at start (``node_incarnation/<K>``): the first agent
+of a node starts its ranks fresh; a restarted one (incarnation > 1) starts them as joiners, and is
+refused while its predecessor's lease is still live.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from ds_recycle.runtime import protocol as proto
+from ds_recycle.runtime.coordinator import RankExit, renew_seconds
+from ds_recycle.runtime.protocol import AgentReport, KillOrder, Lease, Membership
+
+
+class NodeRefused(RuntimeError):
+    """The coordinator's store says this node may not start now (its predecessor's lease is live)."""
+
+
+class NodeLink:
+    """The coordinator as a node K > 0's launcher sees it (same calls as :class:`Coordinator`)."""
+
+    def __init__(
+        self,
+        address: str,
+        generation: int,
+        node: int,
+        token: str,
+        lease_seconds: float,
+        log: Callable[[str], None],
+        kill: Callable[[int, int], None],
+        fence: Callable[[str], None],
+    ) -> None:
+        self.address, self.generation, self.node = address, generation, node
+        self.token = token
+        self.lease_seconds = lease_seconds
+        self._log, self._kill, self._fence = log, kill, fence
+        self._store = proto.connect(address, generation, timeout=max(1.0, lease_seconds))
+        self._query = proto.connect(address, generation, timeout=max(1.0, lease_seconds))
+        self._query_lock = threading.Lock()
+        self._reports: queue.Queue[AgentReport] = queue.Queue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._next_kill = 1
+        self.node_incarnation = 0
+        self.last_renewal = 0.0
+        self.fenced = False
+
+    def register(self) -> int:
+        """Take this node's next incarnation. A previous agent's lease must lapse first (it fences
+        itself by then); one that is still renewed is a live agent of this node: refused."""
+        key = proto.lease_key(self.node)
+        deadline = time.monotonic() + 2 * self.lease_seconds
+        while self._store.check([key]):
+            lease = Lease.from_json(self._store.get(key))
+            age = time.time() - lease.time
+            if age >= self.lease_seconds:
+                break
+            if time.monotonic() > deadline:
+                raise NodeRefused(
+                    f"node {self.node} already has a live agent (incarnation {lease.node_incarnation}, lease renewed "
+                    f"{age:.1f} s ago): is --node-rank {self.node} given twice?"
+                )
+            time.sleep(0.1)
+        self.node_incarnation = int(self._store.add(proto.node_incarnation_key(self.node), 1))
+        self._renew()
+        return self.node_incarnation
+
+    @property
+    def rejoining(self) -> bool:
+        """This agent replaces an earlier one of the node: its ranks join a running job."""
+        return self.node_incarnation > 1
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"recycle-node-{self.node}", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def rank_started(self, slot: int, incarnation: int, wall_time: float) -> None:
+        self._reports.put(self._report("started", slot, incarnation, 0, None, wall_time))
+
+    def rank_exited(self, exit: RankExit) -> None:
+        self._reports.put(self._report("exited", exit.slot, exit.incarnation, 0, exit.returncode, exit.observed))
+
+    def membership(self) -> Membership:
+        with self._query_lock:
+            return proto.read_membership(self._query)
+
+    def _report(self, kind: str, slot: int, incarnation: int, pid: int, code: int | None, when: float) -> AgentReport:
+        return AgentReport(kind, self.node, self.node_incarnation, slot, incarnation, pid, code, when, self.token)
+
+    # ---- the thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        period = renew_seconds(self.lease_seconds)
+        next_renewal = 0.0
+        while not self._stop.is_set():
+            # A frozen node that thaws sees first how long it was gone.
+            silent = time.time() - self.last_renewal
+            if silent > self.lease_seconds:
+                self._fence_node(f"no lease renewal for {silent:.1f} s (timeout {self.lease_seconds:g} s)")
+                return
+            try:
+                if time.monotonic() >= next_renewal:
+                    self._renew()
+                    next_renewal = time.monotonic() + period
+                self._send_reports()
+                self._take_kills()
+            except Exception:  # the store is unreachable: the lease lapses unless it comes back
+                pass
+            self._stop.wait(min(0.02, period))
+
+    def _renew(self) -> None:
+        self._store.set(proto.lease_key(self.node), Lease(self.node_incarnation, time.time()).to_json())
+        self.last_renewal = time.time()
+
+    def _send_reports(self) -> None:
+        while True:
+            try:
+                report = self._reports.get_nowait()
+            except queue.Empty:
+                return
+            index = int(self._store.add(proto.REPORT_COUNT, 1))
+            self._store.set(proto.report_key(index), report.to_json())
+
+    def _take_kills(self) -> None:
+        count = int(self._store.add(proto.kill_count_key(self.node), 0))
+        while self._next_kill <= count:
+            key = proto.kill_key(self.node, self._next_kill)
+            if not self._store.check([key]):
+                return  # counted, not yet written
+            order = KillOrder.from_json(self._store.get(key))
+            self._kill(order.slot, order.incarnation)
+            self._next_kill += 1
+
+    def _fence_node(self, why: str) -> None:
+        self.fenced = True
+        self._fence(why)

@@ -1,0 +1,141 @@
+"""Several nodes on one machine: one ``ds-recycle launch --nnodes 3 --node-rank K`` agent per node,
+each in a process group of its own, on loopback. A node is lost as a whole (its agent's process
+group SIGKILLed: its ranks die with it) in the middle of an iteration; the survivors go on with the
+adapted plan after one change for the node's two ranks; the node's agent is started again with the
+same node rank and its two slots re-join from live replicas; the job ends with every parameter and
+optimizer state equal to a fault-free run and an exact F ledger.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from recycle_job import WORKER, Job, assert_same_as_fault_free, fault_free, job_config
+
+pytestmark = pytest.mark.multiprocess
+
+PP, DP = 2, 3
+NODES, PER_NODE = 3, 2
+STEPS = 24
+TOKEN = "multinode-test-token-0123456789"
+STARTED = re.compile(r"rank (\d+) pid (\d+) started")
+
+
+class Agent:
+    """One node's ``ds-recycle launch`` process, its output read in a thread."""
+
+    def __init__(self, job: Job, node: int, port: int, incarnation: int = 0) -> None:
+        logs = job.tmp / "logs" / f"node{node}.{incarnation}"
+        command = [sys.executable, "-m", "ds_recycle.cli", "launch", "--nnodes", str(NODES)]
+        command += ["--node-rank", str(node), "--nproc-per-node", str(PER_NODE)]
+        command += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--node-lease", "2", "--respawn"]
+        command += ["--respawn-delay", "0.2", "--timeout", "300", "--log-dir", str(logs)]
+        command += [str(WORKER), "--pp", str(PP), "--steps", str(STEPS), "--optimizer", "adam"]
+        command += ["--config", str(job.tmp / "ds_config.json"), "--out", str(job.out)]
+        env = {**os.environ, "DS_ACCELERATOR": "cpu", "DS_RECYCLE_TOKEN": TOKEN}
+        self.proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+        )
+        self.lines: list[str] = []
+        self.pids: dict[int, int] = {}
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip())
+            match = STARTED.search(line)
+            if match:
+                self.pids[int(match.group(1))] = int(match.group(2))
+
+    def kill_node(self) -> None:
+        """A node crash: the agent's whole process group, SIGKILL (its ranks die with it)."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        for pid in self.pids.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(condition, what: str, agents: list[Agent], timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}:\n" + "\n".join(line for a in agents for line in a.lines[-30:]))
+
+
+def count(agents: list[Agent], pattern: str) -> int:
+    regex = re.compile(pattern)
+    return sum(bool(regex.search(line)) for agent in agents for line in list(agent.lines))
+
+
+def test_a_node_lost_as_a_whole_is_survived_and_readmitted(tmp_path, tmp_path_factory):
+    reference = fault_free(tmp_path_factory, PP, DP, STEPS, "adam")
+    job = Job(tmp_path, PP, DP, STEPS, job_config(), "adam")  # its records, ledgers and pacing; started below
+    port = free_port()
+    agents = [Agent(job, node, port) for node in range(NODES)]
+    lost = 2
+    lost_slots = [lost * PER_NODE + i for i in range(PER_NODE)]
+    assert sorted((s % DP, s // DP) for s in lost_slots) == [(1, 1), (2, 1)]  # stage 1 keeps worker (0, 1)
+    try:
+        wait_until(lambda: min(job.progress(s) for s in range(PP * DP)) >= 3, "every rank at iteration 3", agents)
+        iteration = max(job.progress(s) for s in range(PP * DP))
+        job.hold(iteration + 4)
+        killed_at = time.time()
+        agents[lost].kill_node()
+        node_failed = rf"published failure of node {lost}: slots \[{lost_slots[0]}, {lost_slots[1]}\] in one change"
+        wait_until(lambda: count(agents[:1], node_failed) == 1, "the node's failure", agents)
+        survivors = [s for s in range(PP * DP) if s not in lost_slots]
+        wait_until(lambda: min(job.progress(s) for s in survivors) > iteration, "survivors on the new plan", agents)
+        agents.append(Agent(job, lost, port, incarnation=1))
+        for s in lost_slots:
+            wait_until(lambda s=s: count(agents[:1], rf"accepted join of slot {s} ") == 1, f"slot {s}'s join", agents)
+        job.hold(None)
+        live = [agents[0], agents[1], agents[-1]]
+        wait_until(lambda: all(a.proc.poll() is not None for a in live), "the job's end", agents, 240)
+    except BaseException:
+        for agent in agents:
+            agent.kill()
+        raise
+    for agent in live:
+        assert agent.proc.returncode == 0, "\n".join(agent.lines[-40:])
+    assert count(agents[-1:], rf"node {lost} \(incarnation 2\) re-joins the running job") == 1
+    logs = "\n".join(p.read_text() for p in sorted((tmp_path / "logs").glob("*/*.log")))
+    [joined] = {line for line in re.findall(r"ReCycle epoch \d+ from iteration \d+: .*joined \[[^\]]*\]", logs)
+                if "joined []" not in line and "(1, 1)" in line.split("joined")[1]}  # fmt: skip
+    assert "(2, 1)" in joined.split("joined")[1], f"both slots of the node re-join in one decision: {joined}"
+    first = min(_stamp(line) for line in re.findall(r"^\S+ \S+ \[INFO\].*ReCycle epoch 1 from.*$", logs, re.M))
+    print(f"node SIGKILL to the first survivor on the new plan: {1e3 * (first - killed_at):.0f} ms")
+    assert_same_as_fault_free(job, reference, STEPS)
+
+
+def _stamp(line: str) -> float:
+    """The wall time of a DeepSpeed log line ``[YYYY-mm-dd HH:MM:SS,mmm] ...``."""
+    import datetime
+
+    text = re.search(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]", line).group(1)
+    return datetime.datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
