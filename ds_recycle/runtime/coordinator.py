@@ -150,6 +150,7 @@ class Coordinator:
         self._dead_nodes: set[tuple[int, int]] = set()
         """(node, node incarnation) pairs whose lease lapsed: their reports are refused."""
         self._next_report = 1
+        self._last_lease_check = 0.0
         self.token = token
         self.policy = policy or HeartbeatPolicy()
         self._log = log
@@ -239,7 +240,9 @@ class Coordinator:
     def _tick(self) -> None:
         if self.nodes.count > 1:
             self._poll_reports()
-            self._check_leases()
+            if time.monotonic() - self._last_lease_check >= HEARTBEAT_CHECK_SECONDS:
+                self._last_lease_check = time.monotonic()
+                self._check_leases()
         self._drain_exits()
         self._poll_requests()
         if self.policy.enabled and time.monotonic() - self._last_heartbeat_check >= HEARTBEAT_CHECK_SECONDS:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from recycle_job import WORKER, Job, assert_same_as_fault_free, fault_free, job_config
@@ -60,6 +61,15 @@ class Agent:
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=30)
 
+    def freeze(self, sig: int = signal.SIGSTOP) -> None:
+        """A frozen node (power loss seen from outside, a hung kernel): the agent and its ranks stop."""
+        os.killpg(self.proc.pid, sig)
+        for pid in self.pids.values():
+            try:
+                os.killpg(pid, sig)
+            except ProcessLookupError:
+                pass
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -93,7 +103,11 @@ def count(agents: list[Agent], pattern: str) -> int:
     return sum(bool(regex.search(line)) for agent in agents for line in list(agent.lines))
 
 
-def test_a_node_lost_as_a_whole_is_survived_and_readmitted(tmp_path, tmp_path_factory):
+@pytest.mark.parametrize("how", ["sigkill", "freeze"])
+def test_a_node_lost_as_a_whole_is_survived_and_readmitted(tmp_path, tmp_path_factory, how):
+    """``sigkill``: the node's agent and ranks die (waitpid sees nothing: the survivors' comm errors
+    and the node's stale lease tell). ``freeze``: the agent and its ranks are SIGSTOPped, so only the
+    lease can tell; when thawed the agent finds its lease lapsed and fences itself."""
     reference = fault_free(tmp_path_factory, PP, DP, STEPS, "adam")
     job = Job(tmp_path, PP, DP, STEPS, job_config(), "adam")  # its records, ledgers and pacing; started below
     port = free_port()
@@ -106,9 +120,18 @@ def test_a_node_lost_as_a_whole_is_survived_and_readmitted(tmp_path, tmp_path_fa
         iteration = max(job.progress(s) for s in range(PP * DP))
         job.hold(iteration + 4)
         killed_at = time.time()
-        agents[lost].kill_node()
+        if how == "sigkill":
+            agents[lost].kill_node()
+        else:
+            agents[lost].freeze()
         node_failed = rf"published failure of node {lost}: slots \[{lost_slots[0]}, {lost_slots[1]}\] in one change"
         wait_until(lambda: count(agents[:1], node_failed) == 1, "the node's failure", agents)
+        if how == "freeze":
+            assert count(agents[:1], rf"lease of node {lost} \(incarnation 1\) lapsed") == 1
+            agents[lost].freeze(signal.SIGCONT)
+            wait_until(lambda: agents[lost].proc.poll() is not None, "the thawed agent to end", agents)
+            assert agents[lost].proc.returncode == 1
+            assert count(agents[lost : lost + 1], rf"node {lost} fences itself: no lease renewal") == 1
         survivors = [s for s in range(PP * DP) if s not in lost_slots]
         wait_until(lambda: min(job.progress(s) for s in survivors) > iteration, "survivors on the new plan", agents)
         agents.append(Agent(job, lost, port, incarnation=1))
@@ -139,3 +162,34 @@ def _stamp(line: str) -> float:
 
     text = re.search(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]", line).group(1)
     return datetime.datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def test_when_the_coordinators_host_dies_every_node_stops_and_nothing_hangs(tmp_path):
+    """Node 0 hosts the store and the coordinator. Its loss is not survived in place (that needs a
+    replicated store): every other agent notices within its lease, fences its ranks and ends with
+    an error, bounded in time."""
+    job = Job(tmp_path, PP, DP, STEPS, job_config(), "adam")
+    port = free_port()
+    agents = [Agent(job, node, port) for node in range(NODES)]
+    try:
+        wait_until(lambda: min(job.progress(s) for s in range(PP * DP)) >= 2, "every rank at iteration 2", agents)
+        agents[0].kill_node()
+        lost_at = time.monotonic()
+        wait_until(lambda: all(a.proc.poll() is not None for a in agents[1:]), "every other node to stop", agents, 60)
+    except BaseException:
+        for agent in agents:
+            agent.kill()
+        raise
+    print(f"coordinator's host killed: every other node stopped within {time.monotonic() - lost_at:.1f} s")
+    for agent in agents[1:]:
+        assert agent.proc.returncode == 1, "\n".join(agent.lines[-20:])
+        assert any("fences itself" in line for line in agent.lines), "\n".join(agent.lines[-20:])
+        for pid in agent.pids.values():
+            assert not Path(f"/proc/{pid}").exists() or _zombie(pid), f"rank pid {pid} outlived its node"
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
