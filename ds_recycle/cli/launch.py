@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ds_recycle.cli import nodes
 from ds_recycle.cli.common import UsageError
+from ds_recycle.runtime import protocol as proto
 from ds_recycle.runtime.protocol import HEARTBEAT_MIN_TIMEOUT_SECONDS
 
 MAX_NPROC = 1024
@@ -84,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         endpoint=node.endpoint,
         node_lease=args.node_lease,
         token=node.token,
+        env={proto.ENV_ALLOW_UNSAFE_PLACEMENT: "1"} if args.allow_unsafe_placement else None,
         respawn=args.respawn,
         respawn_delay=args.respawn_delay,
         max_restarts=args.max_restarts,

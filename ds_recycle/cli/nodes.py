@@ -70,6 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a node whose agent has not renewed its lease for S seconds is failed as a whole (default 5)",
     )
     group.add_argument("--token-file", default=None, metavar="FILE", help="the job token (mode 600)")
+    group.add_argument(
+        "--allow-unsafe-placement",
+        action="store_true",
+        help="start even if one node holds every replica of a stage (its loss then stops the job)",
+    )
 
 
 def resolve(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> NodeSpec:

@@ -54,6 +54,9 @@ ENV_TOKEN = "DS_RECYCLE_TOKEN"
 """The job's secret; a request without it is refused."""
 ENV_INCARNATION = "DS_RECYCLE_INCARNATION"
 """0 for a rank's first start, k after its k-th respawn: a process with k > 0 joins a running job."""
+ENV_ALLOW_UNSAFE_PLACEMENT = "DS_RECYCLE_ALLOW_UNSAFE_PLACEMENT"
+"""Set to 1 by ``ds-recycle launch --allow-unsafe-placement``: start even if one node holds every
+replica of a stage (its loss then stops the job or restarts it from a checkpoint)."""
 ENV_GENERATION = "DS_RECYCLE_GENERATION"
 """0 at first, +1 at every restart of the whole job from a checkpoint; the key prefix."""
 

@@ -23,6 +23,7 @@ instruction streams; everything about membership happens here, top-down, in
 from __future__ import annotations
 
 import enum
+import os
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -30,7 +31,8 @@ from typing import Protocol
 import torch
 
 from ds_recycle.log import logger
-from ds_recycle.runtime import exit_guard, rejoin, reporting
+from ds_recycle.runtime import exit_guard, placement, rejoin, reporting
+from ds_recycle.runtime import protocol as proto
 from ds_recycle.runtime.groups import GROUP_TIMEOUT_SECONDS, RecycleGrid, rebuild_world
 from ds_recycle.runtime.membership import EpochSuperseded, MembershipAgent
 from ds_recycle.runtime.protocol import RESTART_EXIT_CODE, STOP_EXIT_CODE, Decision, Membership, Progress
@@ -120,8 +122,34 @@ class RankRuntime:
 
     # ---- starting ------------------------------------------------------------------------------
 
+    def check_placement(self, environ=os.environ) -> None:
+        """With several nodes (contiguous ranks per node), refuse a layout in which one node holds
+        every replica of a stage: its loss could not be survived in place."""
+        world, per_node = int(environ.get("WORLD_SIZE", 1)), int(environ.get("LOCAL_WORLD_SIZE", 0) or 0)
+        if not 0 < per_node < world:
+            return
+        topo = self.engine.module._topo
+        worker_of = {rank: (topo.get_coord(rank).data, topo.get_coord(rank).pipe) for rank in range(world)}
+        unsafe = placement.unsafe_nodes(placement.contiguous_nodes(world, per_node), worker_of, topo.get_dim("pipe"))
+        if not unsafe:
+            return
+        node, stages = next(iter(unsafe.items()))
+        message = (
+            f"node {node} holds every replica of stage {stages[0]} (ranks {per_node * node}.."
+            f"{per_node * (node + 1) - 1}): its loss would stop the job. Build the PipelineModule with "
+            "topology=ds_recycle.runtime.placement.pipeline_major_topology(P, D), or start with "
+            "ds-recycle launch --allow-unsafe-placement"
+        )
+        if environ.get(proto.ENV_ALLOW_UNSAFE_PLACEMENT) == "1":
+            logger.warning(f"ReCycle: {message} (allowed)")
+            return
+        logger.error(f"ReCycle: slot {self.engine.slot} refuses to start: {message}")
+        self.agent.stop()
+        raise exit_guard.exit(STOP_EXIT_CODE)
+
     def start(self) -> None:
         """A first-start process: heartbeat, failure watcher, SIGTERM-means-leave."""
+        self.check_placement()
         self.agent.start_heartbeat()
         self._start_watcher()
         self.agent.install_leave_handler()

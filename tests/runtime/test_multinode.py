@@ -32,13 +32,13 @@ STARTED = re.compile(r"rank (\d+) pid (\d+) started")
 class Agent:
     """One node's ``ds-recycle launch`` process, its output read in a thread."""
 
-    def __init__(self, job: Job, node: int, port: int, incarnation: int = 0) -> None:
+    def __init__(self, job: Job, node: int, port: int, incarnation: int = 0, nodes: int = NODES) -> None:
         logs = job.tmp / "logs" / f"node{node}.{incarnation}"
-        command = [sys.executable, "-m", "ds_recycle.cli", "launch", "--nnodes", str(NODES)]
+        command = [sys.executable, "-m", "ds_recycle.cli", "launch", "--nnodes", str(nodes)]
         command += ["--node-rank", str(node), "--nproc-per-node", str(PER_NODE)]
         command += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--node-lease", "2", "--respawn"]
         command += ["--respawn-delay", "0.2", "--timeout", "300", "--log-dir", str(logs)]
-        command += [str(WORKER), "--pp", str(PP), "--steps", str(STEPS), "--optimizer", "adam"]
+        command += [str(WORKER), "--pp", str(job.pp), "--steps", str(STEPS), "--optimizer", "adam"]
         command += ["--config", str(job.tmp / "ds_config.json"), "--out", str(job.out)]
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "DS_RECYCLE_TOKEN": TOKEN}
         self.proc = subprocess.Popen(
@@ -193,3 +193,25 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
     except FileNotFoundError:
         return True
+
+
+def test_a_layout_in_which_a_node_holds_every_replica_of_a_stage_is_refused_at_start(tmp_path):
+    """pp=2 x dp=2 on 2 nodes of 2 with DeepSpeed's stage-major numbering: node 0 holds both
+    workers of stage 0. Every rank refuses before its first iteration, naming the node, the stage and
+    the fix, and the launchers end (no respawn loop)."""
+    job = Job(tmp_path, 2, 2, STEPS, job_config(), "adam")
+    port = free_port()
+    agents = [Agent(job, node, port, nodes=2) for node in range(2)]
+    try:
+        wait_until(lambda: all(a.proc.poll() is not None for a in agents), "both agents to end", agents, 180)
+    except BaseException:
+        for agent in agents:
+            agent.kill()
+        raise
+    assert [a.proc.returncode for a in agents] == [1, 1]
+    assert count(agents, "respawned") == 0
+    logs = "\n".join(p.read_text() for p in sorted((tmp_path / "logs").glob("*/*.log")))
+    refusals = re.findall(r"refuses to start: (node \d+ holds every replica of stage \d+)", logs)
+    assert refusals and set(refusals) == {"node 0 holds every replica of stage 0"}, logs[-3000:]
+    assert "pipeline_major_topology(P, D)" in logs and "--allow-unsafe-placement" in logs
+    assert job.progress(0) == 0, "no iteration ran"

@@ -1,0 +1,52 @@
+"""Which ranks share a node, and what a node's loss does to the grid.
+
+Launchers give node k a contiguous block of ranks. DeepSpeed's default pipe-data topology numbers
+ranks stage by stage (rank = stage * D + pipeline), so a node holds replicas of one stage: with
+D <= G a node's loss empties that stage and the job must restart from a checkpoint. The
+pipeline-major topology (rank = pipeline * P + stage) puts whole pipelines, or runs of stages of
+one pipeline, on a node: a node's loss removes whole pipelines' workers, which is ReCycle's design
+point (its micro-batches go to the other pipelines). The price: the data-parallel all-reduce of
+every stage crosses nodes, while activations and gradients between stages stay inside a node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from ds_recycle.planner.plan import Worker
+
+
+def pipeline_major_topology(pipeline_stages: int, data_parallel: int):
+    """A DeepSpeed ``ProcessTopology`` whose ranks run pipeline by pipeline (pass it to
+    ``PipelineModule(topology=...)``)."""
+    from deepspeed.runtime.pipe.topology import ProcessTopology
+
+    return ProcessTopology(axes=["data", "pipe"], dims=[data_parallel, pipeline_stages])
+
+
+def contiguous_nodes(world_size: int, per_node: int) -> dict[int, list[int]]:
+    """Node k holds ranks k * G .. k * G + G - 1, as every launcher places them."""
+    return {node: list(range(node * per_node, (node + 1) * per_node)) for node in range(world_size // per_node)}
+
+
+def emptied_stages(
+    nodes: Mapping[int, Iterable[int]], worker_of: Mapping[int, Worker], stages: int, failed_nodes: Iterable[int]
+) -> list[int]:
+    """The stages left without a live worker when ``failed_nodes`` are lost."""
+    gone = {rank for node in failed_nodes for rank in nodes[node]}
+    live = {worker_of[rank][1] for rank in worker_of if rank not in gone}
+    return [stage for stage in range(stages) if stage not in live]
+
+
+def survivable(
+    nodes: Mapping[int, Iterable[int]], worker_of: Mapping[int, Worker], stages: int, failed_nodes: Iterable[int]
+) -> bool:
+    """Whether training goes on in place when ``failed_nodes`` are lost (every stage keeps a worker)."""
+    return not emptied_stages(nodes, worker_of, stages, failed_nodes)
+
+
+def unsafe_nodes(
+    nodes: Mapping[int, Iterable[int]], worker_of: Mapping[int, Worker], stages: int
+) -> dict[int, list[int]]:
+    """Nodes whose loss alone would empty a stage: node -> the stages it holds every replica of."""
+    return {node: emptied for node in nodes if (emptied := emptied_stages(nodes, worker_of, stages, [node]))}
