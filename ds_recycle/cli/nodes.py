@@ -23,6 +23,13 @@ from pathlib import Path
 from ds_recycle.cli.common import UsageError
 
 MAX_NODES = 4096
+_NODE_FLAGS = {
+    "--node-rank": "node_rank",
+    "--rdzv-endpoint": "rdzv_endpoint",
+    "--master-addr": "master_addr",
+    "--master-port": "master_port",
+    "--token-file": "token_file",
+}
 DEFAULT_PORT = 29500
 TOKEN_ENV = "DS_RECYCLE_TOKEN"
 
@@ -85,6 +92,9 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -
     if args.nproc is not None:
         if nnodes != 1:
             raise UsageError(f"--nproc with --nnodes {nnodes}: use --nproc-per-node G on several nodes")
+        several = [flag for flag, value in _NODE_FLAGS.items() if getattr(args, value) is not None]
+        if several:
+            raise UsageError(f"{several[0]} is for several nodes; with --nproc N (one node) leave it out")
         return NodeSpec(1, 0, _int_in("--nproc", args.nproc, 1, 1024), None, None)
     per_node = _first(args.nproc_per_node, "--nproc-per-node", environ, "SLURM_GPUS_ON_NODE")
     if per_node is None:

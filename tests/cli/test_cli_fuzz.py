@@ -430,6 +430,8 @@ LAUNCH = Entry(
         Option("--startup-timeout", bad_seconds(positive=False), st.just("10")),
         Option("--heartbeat-factor", bad_seconds(positive=True), st.just("3")),
         Option("--timeout", bad_seconds(positive=True), st.just("30")),
+        Option("--node-lease", bad_seconds(positive=True), st.just("5")),
+        Option("--nnodes", st.sampled_from(["0", "1:4", "2:", "x", "-1", "4097", "1.5"]), st.just("1")),
         Option("--log-dir", st.just(BadPath("parent_is_file", "logs")), st.just(OutPath("logs"))),
     ],
     extra_bad=[launch_bad_script(), launch_no_script()],
