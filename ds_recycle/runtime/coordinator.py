@@ -30,6 +30,7 @@ The coordinator never decides membership itself: the members do, at iteration bo
 
 from __future__ import annotations
 
+import collections
 import hmac
 import queue
 import signal
@@ -49,11 +50,14 @@ lease is also how a dead node (no agent left to waitpid its ranks) is told from 
 def renew_seconds(lease_seconds: float) -> float:
     return min(RENEW_MAX_SECONDS, 0.2 * lease_seconds)
 
+
 STORE_OP_SECONDS = 30.0
 """Bound on any single store operation of the coordinator (the store is local; a healthy op takes µs)."""
 TICK_SECONDS = 0.005
 """How often requests are polled; an observed exit wakes the coordinator at once."""
 HEARTBEAT_CHECK_SECONDS = 0.05
+GAP_WINDOW = 100
+"""Heartbeat gaps remembered per member (about 10 s of beats at 0.1 s)."""
 MISSING_REQUEST_SECONDS = 5.0
 """``request_count`` was incremented but ``request/<k>`` never written (the poster died in between):
 after this long the index is skipped, so one dead poster cannot stall every later request."""
@@ -72,11 +76,18 @@ class HeartbeatPolicy:
     startup_timeout: float = 120.0
     """A member must heartbeat this long after its process started (once the job heartbeats at all)."""
     enabled: bool = True
+    jitter_factor: float = 4.0
+    """j: the timeout is at least j times the longest gap seen between two heartbeats of any member
+    lately: on a loaded host beats arrive late, and a floor that fits a quiet machine would kill
+    healthy ranks there."""
 
-    def timeout(self, iteration_seconds: float | None) -> float:
-        if iteration_seconds is None:
-            return self.min_timeout
-        return max(self.min_timeout, self.factor * iteration_seconds)
+    def timeout(self, iteration_seconds: float | None, worst_gap: float | None = None) -> float:
+        timeout = self.min_timeout
+        if iteration_seconds is not None:
+            timeout = max(timeout, self.factor * iteration_seconds)
+        if worst_gap is not None:
+            timeout = max(timeout, self.jitter_factor * worst_gap)
+        return timeout
 
 
 @dataclass(frozen=True)
@@ -151,6 +162,8 @@ class Coordinator:
         """(node, node incarnation) pairs whose lease lapsed: their reports are refused."""
         self._next_report = 1
         self._last_lease_check = 0.0
+        self._last_beat: dict[int, float] = {}
+        self._gaps: dict[int, collections.deque[float]] = {}
         self.token = token
         self.policy = policy or HeartbeatPolicy()
         self._log = log
@@ -398,9 +411,7 @@ class Coordinator:
 
     def _fail_node(self, node: int, detail: str) -> None:
         membership = proto.read_membership(self._store)
-        slots = [
-            slot for slot in self.nodes.slots(node) if slot in membership.members and not self._failed(slot)
-        ]
+        slots = [slot for slot in self.nodes.slots(node) if slot in membership.members and not self._failed(slot)]
         with self._lock:
             for slot in self.nodes.slots(node):
                 if slot in self._incarnations:
@@ -455,7 +466,8 @@ class Coordinator:
             if self._store.check([key]):
                 seconds = float(self._store.get(key))
                 worst_iteration = seconds if worst_iteration is None else max(worst_iteration, seconds)
-        timeout = self.policy.timeout(worst_iteration)
+        gaps = [gap for recent in self._gaps.values() for gap in recent]
+        timeout = self.policy.timeout(worst_iteration, max(gaps) if gaps else None)
         for slot in membership.members:
             with self._lock:
                 incarnation = self._incarnations.get(slot)
@@ -468,6 +480,7 @@ class Coordinator:
             beat = _seconds(value)
             if beat is not None and beat >= incarnation.started:
                 self._job_heartbeats = True
+                self._note_beat(slot, beat)
                 age = now - beat
                 if age > timeout:
                     self._declare_hung(
@@ -477,6 +490,13 @@ class Coordinator:
                 self._declare_hung(
                     slot, incarnation.number, f"no heartbeat {now - incarnation.started:.1f} s after start"
                 )
+
+    def _note_beat(self, slot: int, beat: float) -> None:
+        """Keep the last GAP_WINDOW gaps between a member's consecutive heartbeats."""
+        last = self._last_beat.get(slot)
+        if last is not None and beat > last:
+            self._gaps.setdefault(slot, collections.deque(maxlen=GAP_WINDOW)).append(beat - last)
+        self._last_beat[slot] = beat
 
     def _declare_hung(self, slot: int, incarnation: int, detail: str) -> None:
         self._append(proto.FAILED, slot, time.time(), detail, alert=True)

@@ -205,3 +205,33 @@ def test_policy_timeout_follows_the_slowest_iteration():
     assert policy.timeout(None) == 1.0
     assert policy.timeout(0.1) == 1.0
     assert policy.timeout(2.0) == 6.0
+
+
+def test_policy_timeout_follows_the_heartbeat_jitter():
+    policy = HeartbeatPolicy(min_timeout=1.0, factor=3.0, jitter_factor=4.0)
+    assert policy.timeout(0.1, worst_gap=0.1) == 1.0
+    assert policy.timeout(0.1, worst_gap=0.8) == pytest.approx(3.2)
+    assert policy.timeout(2.0, worst_gap=0.8) == 6.0
+
+
+def test_late_heartbeats_raise_the_timeout_instead_of_killing_a_slow_member():
+    """Beats 0.2 s apart raise the 0.3 s floor to 4 x 0.2 s; then beats 0.6 s apart (a host under
+    load) are not a hang, and raise it to 4 x 0.6 s: a member silent for 1.5 s is not hung, one
+    silent for far longer is."""
+    h = Harness(HeartbeatPolicy(min_timeout=0.3, factor=3.0, startup_timeout=60.0, jitter_factor=4.0))
+    try:
+        for gap, beats in ((0.2, 6), (0.6, 3)):
+            for _ in range(beats):
+                now = repr(time.time())
+                for slot in range(WORLD):
+                    h.store.set(proto.heartbeat_key(slot), now)
+                time.sleep(gap)
+        time.sleep(1.5 - 0.6)
+        assert h.killed == [], h.lines
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not h.killed:
+            time.sleep(0.05)
+        assert h.killed, "a member silent for far longer than 4 x the worst gap is hung"
+        assert any("(timeout 2." in line for line in h.lines), h.lines
+    finally:
+        h.coordinator.stop()
