@@ -3,6 +3,8 @@ for pipeline modules) and ``init_distributed``."""
 
 from __future__ import annotations
 
+import os
+
 import deepspeed
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
@@ -15,6 +17,9 @@ from ds_recycle import monitoring
 from ds_recycle.config import RecycleConfig, RecycleConfigError
 from ds_recycle.data import DatasetMicroBatches
 from ds_recycle.engine import RecyclePipelineEngine
+from ds_recycle.log import logger
+from ds_recycle.runtime import exit_guard
+from ds_recycle.runtime import protocol as proto
 from ds_recycle.runtime.distributed import init_distributed, membership_agent
 from ds_recycle.runtime.events import Monitor
 
@@ -86,6 +91,8 @@ def initialize(
             )
         training_data = None
     agent = membership_agent()
+    if agent is None and os.environ.get(proto.ENV_STORE):
+        _refuse_foreign_init()
     if agent is not None and not recycle.enabled:
         raise RecycleConfigError(
             "this process was started by ds-recycle launch, which needs recycle.enabled: true in the DeepSpeed "
@@ -135,6 +142,19 @@ def initialize(
             engine.runtime.start()
             engine.warn_if_data_is_per_pipeline()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _refuse_foreign_init() -> None:
+    """Under ds-recycle launch torch.distributed was started by someone else (deepspeed.init_distributed):
+    this rank has no membership agent, so a SIGTERM would kill it and a respawn could never join.
+    Stop the job at its start, before any iteration, with the one change to make."""
+    logger.error(
+        "ReCycle: this process was started by ds-recycle launch, but torch.distributed was started without "
+        "ds_recycle.init_distributed(): call ds_recycle.init_distributed() instead of "
+        "deepspeed.init_distributed() (before building the PipelineModule); it joins the job's coordinator, "
+        "so that a rank can leave, fail and re-join"
+    )
+    raise exit_guard.exit(proto.STOP_EXIT_CODE)
 
 
 def _is_map_style(data) -> bool:
