@@ -1,0 +1,93 @@
+"""ReCycle's events reach the monitors of the DeepSpeed config (here ``csv_monitor``) from the
+lowest live rank: rank 0 writes the iteration series; when it is SIGKILLed, rank 1 leads, writes
+the membership change (one failed worker, the live workers per stage) and the series go on."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from ds_recycle.runtime.launcher import LaunchConfig, Launcher
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS = 8
+SCRIPT = """
+import json, os, sys, time
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import torch
+import ds_recycle
+from ds_recycle.data import TokenWindowProvider, shipped_corpus_tokens
+from ds_recycle.models import GPTConfig, build_gpt_pipeline
+
+out, config = sys.argv[1], json.loads(sys.argv[2])
+torch.set_num_threads(1)
+ds_recycle.init_distributed()
+tokenizer, tokens = shipped_corpus_tokens()
+cfg = GPTConfig(tokenizer.vocab_size, seq_len=16, d_model=32, n_heads=4, n_layers=2)
+model = build_gpt_pipeline(cfg, num_stages=2, seed=0)
+provider = TokenWindowProvider(tokens, cfg.seq_len, config["train_micro_batch_size_per_gpu"], seed=0)
+engine, *_ = ds_recycle.initialize(
+    model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config, training_data=provider
+)
+while engine.global_steps < STEPS:
+    engine.train_batch()
+    with open(os.path.join(out, f"progress{os.environ['RANK']}"), "w") as f:
+        f.write(str(engine.global_steps))
+    time.sleep(0.2)
+""".replace("STEPS", str(STEPS))
+
+
+def test_recycle_events_reach_deepspeeds_csv_monitor_across_the_leaders_death(tmp_path):
+    csv_dir = tmp_path / "csv"
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "steps_per_print": 10**9,
+        "gradient_clipping": 0.0,
+        "csv_monitor": {"enabled": True, "output_path": str(csv_dir), "job_name": "job"},
+        "recycle": {"enabled": True, "emulate_timing": {"F": 5, "B": 5, "W": 5}},
+    }
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    lines: list[str] = []
+    launcher = Launcher(
+        LaunchConfig(argv=[str(script), str(tmp_path), json.dumps(config)], nproc=4, timeout=180, log_dir=tmp_path),
+        echo=lines.append,
+    )
+    killer = threading.Thread(target=_kill_rank_0_at_iteration_3, args=(tmp_path, lines), daemon=True)
+    killer.start()
+    code = launcher.run()
+    killer.join(timeout=5)
+    assert code == 0, "rank 0 is no member at the end; every member exited 0"
+    assert [r.returncode for r in launcher.results()] == [-9, 0, 0, 0], lines
+    series = csv_dir / "job"
+    iterations = _column(series / "Recycle_iteration_time_s.csv")
+    assert len(iterations) == STEPS, f"one row per iteration, before and after the leader's death: {iterations}"
+    [failed] = _column(series / "Recycle_event_failed.csv")
+    assert failed == 1.0
+    assert _column(series / "Recycle_live_workers_stage_0.csv") == [1.0]
+    assert _column(series / "Recycle_live_workers_stage_1.csv") == [2.0]
+
+
+def _kill_rank_0_at_iteration_3(tmp_path, lines: list[str]) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        pids = [line.split()[-2] for line in list(lines) if "rank 0 pid" in line]
+        progress = tmp_path / "progress0"
+        if pids and progress.exists() and progress.read_text().strip() in {"3", "4"}:
+            os.kill(int(pids[0]), signal.SIGKILL)
+            return
+        time.sleep(0.01)
+
+
+def _column(path) -> list[float]:
+    """The values of a DeepSpeed CSV series (a new writer, here the new leader, repeats the header)."""
+    with open(path) as f:
+        return [float(row[1]) for row in csv.reader(f) if row[0] != "step"]
