@@ -41,6 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--timeout", type=float, default=None, metavar="S", help="kill everything after S seconds")
     parser.add_argument("--log-dir", default=None, metavar="DIR", help="write rank<R>.log here (default: stdout)")
+    parser.add_argument(
+        "--status-port",
+        type=int,
+        default=None,
+        metavar="P",
+        help="serve a live status page of the job on port P of --host (node 0; 0: any free port)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address the store listens on (default loopback)")
     parser.add_argument(
         "--heartbeat-min-timeout",
@@ -86,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
         node_lease=args.node_lease,
         token=node.token,
         env={proto.ENV_ALLOW_UNSAFE_PLACEMENT: "1"} if args.allow_unsafe_placement else None,
+        status_port=args.status_port,
         respawn=args.respawn,
         respawn_delay=args.respawn_delay,
         max_restarts=args.max_restarts,
@@ -114,6 +122,8 @@ def _validate(args: argparse.Namespace, node: nodes.NodeSpec) -> None:
             raise error(f"--{name.replace('_', '-')} {value:g}: must be >= 0 seconds")
     if args.max_restarts is not None and args.max_restarts < 0:
         raise error(f"--max-restarts {args.max_restarts}: must be an integer >= 0 (leave it out for no cap)")
+    if args.status_port is not None and not 0 <= args.status_port <= 65535:
+        raise error(f"--status-port {args.status_port}: must be an integer in 0..65535")
     if not args.node_lease > 0:
         raise error(f"--node-lease {args.node_lease:g}: must be > 0 seconds")
     if not args.heartbeat_factor > 0:

@@ -46,6 +46,7 @@ from ds_recycle.runtime import protocol as proto
 from ds_recycle.runtime.coordinator import Coordinator, HeartbeatPolicy, NodeLayout, RankExit, describe_returncode
 from ds_recycle.runtime.node import NodeLink, NodeRefused
 from ds_recycle.runtime.protocol import Membership
+from ds_recycle.runtime.status import StatusServer
 
 TIMEOUT_EXIT_CODE = 124
 FAILURE_EXIT_CODE = 1
@@ -84,6 +85,8 @@ class LaunchConfig:
     """A node whose agent has not renewed its lease for this long is failed as a whole."""
     token: str | None = None
     """The job token, the same on every node (None on one node: a fresh random one)."""
+    status_port: int | None = None
+    """Serve the job's status page on this port of ``host`` (node 0; 0: any free port; None: no page)."""
     respawn: bool = False
     respawn_delay: float = 1.0
     timeout: float | None = None
@@ -151,6 +154,7 @@ class Launcher:
         self.restart_requested = False
         self._signal: int | None = None
         self._others_deadline: float | None = None
+        self.status: StatusServer | None = None
         self._server = None
         self.coordinator: Coordinator | None = None
 
@@ -172,6 +176,8 @@ class Launcher:
             self._kill_all()
             if self.coordinator is not None:
                 self.coordinator.stop()
+            if self.status is not None:
+                self.status.stop()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
 
@@ -226,6 +232,7 @@ class Launcher:
                 nodes=layout,
             )
             first_incarnation = 0
+            self._serve_status(f"{host}:{port}", g)
         else:
             self.coordinator = self._link_to_coordinator(f"{host}:{port}", g)
             first_incarnation = self.coordinator.node_incarnation - 1
@@ -234,6 +241,16 @@ class Launcher:
         for s in self.slots:
             s.incarnation, s.respawn_at = first_incarnation, None
             self._spawn(s)
+
+    def _serve_status(self, address: str, generation: int) -> None:
+        if self.config.status_port is None:
+            return
+        if self.status is not None:
+            self.status.stop()
+        config = self.config
+        self.status = StatusServer(address, generation, config.host, config.status_port, config.nproc, config.nnodes)
+        self.status.start()
+        self.log(f"status page at http://{config.host}:{self.status.port}/ (JSON: /status.json)")
 
     def _link_to_coordinator(self, address: str, generation: int) -> NodeLink:
         """Node K > 0: wait for node 0's store, register a node incarnation (a restarted agent's

@@ -179,3 +179,44 @@ def test_a_slot_that_keeps_failing_backs_off_and_is_given_up_past_max_restarts(t
     [given_up] = [line for line in lines if "not respawning it again" in line]
     assert "rank 1 failed 4 times in a row" in given_up and "(--max-restarts 3)" in given_up
     assert code == 1, "the job finished but member 1 did not exit 0"
+
+
+STATUS_SCRIPT = """
+import os, sys, time
+if os.environ["RANK"] == "1":
+    time.sleep(1.0)
+    sys.exit(3)
+time.sleep(6.0)
+"""
+
+
+def test_the_status_page_shows_every_slot_and_a_failure(tmp_path):
+    import urllib.request
+
+    lines: list[str] = []
+    path = tmp_path / "ranks.py"
+    path.write_text(STATUS_SCRIPT)
+    config = LaunchConfig(argv=[str(path)], nproc=3, log_dir=tmp_path, timeout=60, status_port=0)
+    launcher = Launcher(config, echo=lines.append)
+    runner = threading.Thread(target=launcher.run, daemon=True)
+    runner.start()
+
+    def fetch(path: str) -> str:
+        url = re.search(r"status page at (http://\S+/)", "\n".join(lines)).group(1)
+        with urllib.request.urlopen(url + path.lstrip("/"), timeout=5) as response:
+            return response.read().decode()
+
+    deadline = time.monotonic() + 30
+    while not any("status page at" in line for line in lines) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    status = json.loads(fetch("/status.json"))
+    assert status["epoch"] == 0 and status["members"] == [0, 1, 2]
+    assert [s["slot"] for s in status["slots"]] == [0, 1, 2]
+    while not any("published failure of slot 1" in line for line in lines) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    status = json.loads(fetch("/status.json"))
+    assert [s["state"] for s in status["slots"]] == ["live", "failed", "live"]
+    assert status["pending"][-1]["kind"] == "failed" and status["pending"][-1]["slot"] == 1
+    page = fetch("/")
+    assert "<table>" in page and "<tr class=failed><td>1</td>" in page
+    runner.join(timeout=30)
