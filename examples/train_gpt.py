@@ -32,6 +32,7 @@ import torch.distributed as dist  # noqa: E402
 import ds_recycle  # noqa: E402
 from ds_recycle.data import TokenWindowProvider, pipeline_iterator, shipped_corpus_tokens  # noqa: E402
 from ds_recycle.models import GPTConfig, build_gpt_pipeline  # noqa: E402
+from ds_recycle.runtime.placement import pipeline_major_topology  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -46,6 +47,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--optimizer", choices=["config", "adam", "sgd"], default="config")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--stock", action="store_true", help="use deepspeed.initialize (stock PipelineEngine)")
+    parser.add_argument(
+        "--pipeline-major",
+        action="store_true",
+        help="number ranks pipeline by pipeline (a node holds whole pipelines: what several nodes want)",
+    )
     parser.add_argument("--dump", type=Path, help="write rank<N>.pt with losses, parameters and events here")
     parser.add_argument("--metrics", type=Path, help="write metrics.<rank>.jsonl (iterations, membership changes) here")
     parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
@@ -99,7 +105,10 @@ def main() -> None:
     tokenizer, tokens = shipped_corpus_tokens()
     cfg = GPTConfig(tokenizer.vocab_size, args.seq_len, args.d_model, args.heads, args.layers)
     torch.manual_seed(args.seed)
-    model = build_gpt_pipeline(cfg, num_stages=args.pipeline_stages, seed=args.seed)
+    topology = None
+    if args.pipeline_major:
+        topology = pipeline_major_topology(args.pipeline_stages, world // args.pipeline_stages)
+    model = build_gpt_pipeline(cfg, num_stages=args.pipeline_stages, seed=args.seed, topology=topology)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     with open(args.deepspeed_config) as f:
         micro_batch_size = json.load(f)["train_micro_batch_size_per_gpu"]

@@ -101,8 +101,11 @@ def build_gpt_pipeline(
     seed: int = 0,
     partition_method: str = "uniform",
     activation_checkpoint_interval: int = 0,
+    topology=None,
 ):
-    """A ``PipelineModule`` of the GPT. Needs torch.distributed initialized (DeepSpeed's rule)."""
+    """A ``PipelineModule`` of the GPT. Needs torch.distributed initialized (DeepSpeed's rule).
+    ``topology``: a DeepSpeed ``ProcessTopology`` (default: DeepSpeed's stage-major numbering;
+    ``ds_recycle.runtime.placement.pipeline_major_topology`` keeps a pipeline on a node)."""
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
     specs = []
@@ -120,6 +123,7 @@ def build_gpt_pipeline(
         base_seed=seed,
         seed_layers=True,
         activation_checkpoint_interval=activation_checkpoint_interval,
+        topology=topology,
     )
 
 
