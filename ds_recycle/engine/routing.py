@@ -4,13 +4,31 @@ DeepSpeed's ``p2p`` module only reaches the adjacent stage of the caller's own p
 failure a micro-batch may come from, or go to, another pipeline, so ReCycle sends on the world
 group with global ranks. Sends are asynchronous (their handles are kept until the iteration
 ends); receives wait, failure-aware (:class:`~ds_recycle.runtime.waiting.Waiter`), so a dead peer
-never blocks a survivor. Every message is tagged with its kind and micro-batch, so transfers
-between the same two workers never depend on matching order. The first transfer of a kind to a
-peer carries the tensor metadata (count, dtypes, shapes); the receiver caches it per peer.
+never blocks a survivor.
+
+No message carries a tag: NCCL has none, and gloo and NCCL both match the sends and receives
+between two ranks in the order they were posted. The protocol is therefore an order: on every
+directed pair of workers, both sides post the pair's messages in one order, which is
+
+1. the routed transfers of the iteration's instruction stream (activations from stage ``s`` to
+   ``s + 1``, gradients from ``s + 1`` to ``s``), in the order the lowering derives from the plan
+   (:func:`ds_recycle.planner.lowering.lower` makes the sender's and the receiver's streams agree;
+   :func:`ds_recycle.planner.lowering.check_pair_order` checks it for a lowered plan);
+2. then the messages of the optimizer step, in the order shown in
+   :mod:`ds_recycle.engine.staggered_step`.
+
+A channel lives for one epoch (the engine makes a new one on every new world). Both sides number
+the messages of each directed pair from 0. A *header* (int64: kind, home, mb, the message's number,
+then the tensors' count, dtypes and shapes) goes right before the first activation on each directed
+pair: the receiver takes the activation shapes from it and checks that the message is the one it
+expects. With ``DS_RECYCLE_P2P_CHECK=1`` in every rank's environment a header goes before every
+message and the receiver checks each one (kind, micro-batch, number, dtypes and shapes): one small
+extra message per transfer, to debug an order. ``kind``, ``home`` and ``mb`` never reach torch.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +40,6 @@ Worker = tuple[int, int]
 
 ACTIVATION = 1
 GRADIENT = 2
-ACTIVATION_META = 3
 TIED_GRADIENT = 4
 TIED_WEIGHT = 5
 LOSS = 6
@@ -31,35 +48,43 @@ GRAD_NORM = 7
 _KINDS = {
     ACTIVATION: "activation",
     GRADIENT: "gradient",
-    ACTIVATION_META: "activation metadata",
     TIED_GRADIENT: "tied gradient",
     TIED_WEIGHT: "tied weight",
     LOSS: "loss",
     GRAD_NORM: "partial norm",
 }
 
+CHECK_ENV = "DS_RECYCLE_P2P_CHECK"
+"""Set to 1 (on every rank) to send and check a header before every message."""
+
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8]
-_META_LEN = 64
+_HEADER_LEN = 64
+_HEADER_FIELDS = 4  # kind, home, mb, number; the tensors' description follows
+
+TensorMeta = list[tuple[torch.dtype, tuple[int, ...]]]
 
 
-def message_tag(kind: int, home: int = 0, mb: int = 0) -> int:
-    """A non-negative 31-bit tag (torch passes tags as a C int): 3 bits of kind, 12 of home
-    pipeline, 16 of micro-batch."""
-    if not (0 < kind < 8 and 0 <= home < 4096 and 0 <= mb < 65536):
-        raise ValueError(f"message tag: kind={kind}, home={home} and mb={mb} must be in (0, 8), [0, 4096), [0, 65536)")
-    return (kind << 28) | (home << 16) | mb
+class P2POrderError(RuntimeError):
+    """The two sides of a worker pair posted its messages in different orders: a bug in the
+    schedule or the protocol, not a failure (a recovery could not repair it)."""
 
 
 @dataclass
 class PeerChannel:
-    """Tagged, asynchronous-send p2p to workers named by (pipeline, stage)."""
+    """Asynchronous-send p2p to workers named by (pipeline, stage), matched in posting order."""
 
     grid: object
     device: torch.device
     waiter: Waiter = field(default_factory=Waiter)
     pending_sends: list = field(default_factory=list)
-    _meta_sent: set = field(default_factory=set)
-    _meta_received: dict = field(default_factory=dict)
+    checked: bool = field(default_factory=lambda: os.environ.get(CHECK_ENV, "") == "1")
+    _sent: dict[int, int] = field(default_factory=dict)
+    """Messages posted to each destination rank so far."""
+    _received: dict[int, int] = field(default_factory=dict)
+    _activations_to: set[int] = field(default_factory=set)
+    """Destination ranks that have had their first activation (and its header)."""
+    _activation_meta: dict[int, TensorMeta] = field(default_factory=dict)
+    """By source rank: the activation description its first header gave."""
 
     def rank_of(self, worker: Worker) -> int:
         pipeline, stage = worker
@@ -67,64 +92,115 @@ class PeerChannel:
 
     def send(self, tensors: tuple[torch.Tensor, ...], peer: Worker, kind: int, home: int, mb: int) -> None:
         dst = self.rank_of(peer)
-        if kind == ACTIVATION and dst not in self._meta_sent:
-            self._meta_sent.add(dst)
-            self._isend(_encode_meta(tensors, self.device), dst, message_tag(ACTIVATION_META))
-        tag = message_tag(kind, home, mb)
+        number = _count(self._sent, dst)
+        first_activation = kind == ACTIVATION and dst not in self._activations_to
+        if first_activation:
+            self._activations_to.add(dst)
+        if first_activation or self.checked:
+            self._isend(_encode_header(kind, home, mb, number, tensors, self.device), dst)
         for tensor in tensors:
-            self._isend(tensor.detach().contiguous(), dst, tag)
+            self._isend(tensor.detach().contiguous(), dst)
 
     def recv_activation(self, peer: Worker, home: int, mb: int) -> tuple[torch.Tensor, ...]:
         src = self.rank_of(peer)
-        meta = self._meta_received.get(src)
-        if meta is None:
-            buf = torch.empty(_META_LEN, dtype=torch.int64, device=self.device)
-            tag = message_tag(ACTIVATION_META)
-            self.waiter.p2p(lambda: dist.irecv(buf, src=src, tag=tag), f"receiving activation metadata from {peer}")
-            meta = self._meta_received[src] = _decode_meta(buf)
-        tensors = tuple(torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in meta)
-        self.recv_into(tensors, peer, ACTIVATION, home, mb)
+        number = _count(self._received, src)
+        if src not in self._activation_meta or self.checked:
+            self._activation_meta[src] = self._recv_header(peer, src, number, ACTIVATION, home, mb)
+        tensors = tuple(
+            torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in self._activation_meta[src]
+        )
+        self._recv_tensors(tensors, peer, src, ACTIVATION, home, mb)
         return tensors
 
-    def recv_into(self, tensors: tuple[torch.Tensor, ...], peer: Worker, kind: int, home: int = 0, mb: int = 0):
+    def recv_into(
+        self, tensors: tuple[torch.Tensor, ...], peer: Worker, kind: int, home: int = 0, mb: int = 0
+    ) -> tuple[torch.Tensor, ...]:
         src = self.rank_of(peer)
-        tag = message_tag(kind, home, mb)
-        for tensor in tensors:
-            self.waiter.p2p(
-                lambda tensor=tensor: dist.irecv(tensor, src=src, tag=tag),
-                f"receiving {_KINDS[kind]} ({home},{mb}) from {peer}",
-            )
+        number = _count(self._received, src)
+        if self.checked:
+            meta = self._recv_header(peer, src, number, kind, home, mb)
+            if meta != _meta_of(tensors):
+                raise P2POrderError(
+                    f"worker {self.grid.worker} receives {_describe(kind, home, mb)} from {peer} (message {number} "
+                    f"on that pair) into {_meta_of(tensors)}, but {peer} sent {meta}"
+                )
+        self._recv_tensors(tensors, peer, src, kind, home, mb)
         return tensors
-
-    def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        self.waiter.check(f"sending to rank {dst}")
-        try:
-            work = dist.isend(tensor, dst=dst, tag=tag)
-        except RuntimeError as error:
-            raise PeerFailure(f"sending to rank {dst}: {error}") from error
-        self.pending_sends.append((work, tensor))
 
     def wait_sends(self) -> None:
         for work, _tensor in self.pending_sends:
             self.waiter.p2p(lambda work=work: work, "completing the iteration's sends")
         self.pending_sends.clear()
 
+    # ---- wire ----------------------------------------------------------------------------------
 
-def _encode_meta(tensors: tuple[torch.Tensor, ...], device) -> torch.Tensor:
-    values = [len(tensors)]
+    def _recv_header(self, peer: Worker, src: int, number: int, kind: int, home: int, mb: int) -> TensorMeta:
+        buf = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
+        expected = _describe(kind, home, mb)
+        self.waiter.p2p(lambda: dist.irecv(buf, src=src), f"receiving the header of {expected} from {peer}")
+        values = buf.tolist()
+        got_kind, got_home, got_mb, got_number = values[:_HEADER_FIELDS]
+        if (got_kind, got_home, got_mb, got_number) != (kind, home, mb, number):
+            me = self.grid.worker
+            raise P2POrderError(
+                f"workers {peer} and {me} post their messages in different orders: {me} receives {expected} "
+                f"as message {number} from {peer}, but {peer} sent {_describe(got_kind, got_home, got_mb)} "
+                f"as message {got_number} to it"
+            )
+        return _decode_meta(values[_HEADER_FIELDS:])
+
+    def _recv_tensors(
+        self, tensors: tuple[torch.Tensor, ...], peer: Worker, src: int, kind: int, home: int, mb: int
+    ) -> None:
+        what = f"receiving {_describe(kind, home, mb)} from {peer}"
+        for tensor in tensors:
+            self.waiter.p2p(lambda tensor=tensor: dist.irecv(tensor, src=src), what)
+
+    def _isend(self, tensor: torch.Tensor, dst: int) -> None:
+        self.waiter.check(f"sending to rank {dst}")
+        try:
+            work = dist.isend(tensor, dst=dst)
+        except RuntimeError as error:
+            raise PeerFailure(f"sending to rank {dst}: {error}") from error
+        self.pending_sends.append((work, tensor))
+
+
+def _count(counters: dict[int, int], rank: int) -> int:
+    """This message's number on its pair; counts it."""
+    number = counters.get(rank, 0)
+    counters[rank] = number + 1
+    return number
+
+
+def _describe(kind: int, home: int, mb: int) -> str:
+    name = _KINDS.get(kind, f"unknown kind {kind}")
+    if kind in (ACTIVATION, GRADIENT):
+        return f"{name} of micro-batch ({home},{mb})"
+    if kind in (TIED_GRADIENT, TIED_WEIGHT):
+        return f"{name} {mb}"
+    return name
+
+
+def _meta_of(tensors: tuple[torch.Tensor, ...]) -> TensorMeta:
+    return [(t.dtype, tuple(t.shape)) for t in tensors]
+
+
+def _encode_header(
+    kind: int, home: int, mb: int, number: int, tensors: tuple[torch.Tensor, ...], device
+) -> torch.Tensor:
+    values = [kind, home, mb, number, len(tensors)]
     for t in tensors:
         if t.dtype not in _DTYPES:
             raise TypeError(f"routed p2p cannot send dtype {t.dtype}; allowed: {_DTYPES}")
         values += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
-    if len(values) > _META_LEN:
-        raise ValueError(f"routed p2p: activation metadata needs {len(values)} slots, at most {_META_LEN}")
-    meta = torch.zeros(_META_LEN, dtype=torch.int64, device=device)
-    meta[: len(values)] = torch.tensor(values, dtype=torch.int64)
-    return meta
+    if len(values) > _HEADER_LEN:
+        raise ValueError(f"routed p2p: a message header needs {len(values)} slots, at most {_HEADER_LEN}")
+    header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=device)
+    header[: len(values)] = torch.tensor(values, dtype=torch.int64)
+    return header
 
 
-def _decode_meta(meta: torch.Tensor) -> list[tuple[torch.dtype, tuple[int, ...]]]:
-    values = meta.tolist()
+def _decode_meta(values: list[int]) -> TensorMeta:
     out, pos = [], 1
     for _ in range(values[0]):
         dtype, ndim = _DTYPES[values[pos]], values[pos + 1]

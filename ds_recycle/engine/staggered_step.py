@@ -32,6 +32,35 @@ else a live replica. Tied gradients are the exception: they are partial sums ove
 a worker ran, so each live follower sends its own exactly once, to its pipeline's owner partner.
 Gradients are divided by D*m whoever computed them: DeepSpeed's reduction averages over the live
 replicas, and the step rescales by live/D.
+
+**Message order.** Routed p2p has no tags (:mod:`ds_recycle.engine.routing`): the messages of each
+directed pair of workers match in the order they were posted, so both sides must post them in one
+order. In an iteration every worker posts, in this order:
+
+1. its stream's routed transfers (activations, gradients); ``StaggeredStep`` is the last
+   instruction of every stream (:func:`ds_recycle.planner.lowering.check_streams`);
+2. in :meth:`StageStepper.step`: the tied gradients (a follower sends, an owner receives), then the
+   partial norm sends (synchronous, or staggered with clipping), then the loss sends (last stage),
+   then in synchronous mode the partial norm receives;
+3. in :meth:`StageStepper.finish_iteration`: the partial norm receives (staggered with clipping),
+   then the tied weights (an owner sends, a follower receives);
+4. after it, the loss receive (:meth:`StageStepper.receive_loss`, every stage but the last).
+
+Take a directed pair A -> B. If A's stage is above B's, only gradients (1), tied gradients (a
+follower is above its owner), a partial norm and the loss (from the last stage) can go from A to B;
+A posts them in that order (1, 2), and B receives them in that order too: (1), tied gradients in
+its step, the norm in its step or in finish_iteration, the loss after finish_iteration. If A's
+stage is below B's, only activations (1), a partial norm and tied weights (the owner is below its
+followers) can go; A posts them in that order (1, 2, 3), and B receives them in that order (1, the
+norm in step or finish_iteration before its tied weights). Within one kind: a pair carries at most
+one partial norm and one loss per iteration, since A sends to ``(p, t)`` for ``p`` in
+``served_by(A)`` and ``(p, t)`` receives from ``partner(p, A's stage)``, which is A exactly then;
+tied gradients and tied weights go in the order of ``self.tied`` on both sides (sorted keys, then
+weight attributes), restricted to the weights both stages hold. Both sides decide whether a message
+exists from the same facts (the grid's live workers, the clipping setting, the step mode), and each
+message is received in the iteration it is sent in, so iterations never mix. The tied-weight
+re-sync after a rollback runs on a fresh channel before the epoch's first iteration, on the
+survivors and on a joiner that the recovery admitted alike.
 """
 
 from __future__ import annotations
@@ -41,6 +70,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from deepspeed.runtime.pipe.module import TiedLayerSpec
 
 from ds_recycle.engine.routing import GRAD_NORM, LOSS, TIED_GRADIENT, TIED_WEIGHT, PeerChannel
 from ds_recycle.engine.undo import SnapshotUndo, StepUndo, undo_before_step, unsupported_reason
@@ -98,13 +128,13 @@ class StageStepper:
 
     def _tied_weights(self) -> list[TiedWeight]:
         module = self.engine.module
-        tied, index = [], 0
+        numbers = _tied_weight_numbers(module)
+        tied = []
         for key, comm in sorted(module.tied_comms.items()):
             stages = sorted(self.engine.grid.topology().get_coord(r).pipe for r in comm["ranks"])
             for attr in comm["weight_attr"]:
                 param = module._recursive_getattr(module.tied_modules[key], attr)
-                tied.append(TiedWeight(index, param, stages[0], stages))
-                index += 1
+                tied.append(TiedWeight(numbers[(key, attr)], param, stages[0], stages))
         return tied
 
     @property
@@ -121,12 +151,11 @@ class StageStepper:
             self._scale_grads(params, live / self.grid.data_parallel_size)
         followed = [t.param for t in self.tied if t.owner_stage != self.stage]
         counted = [p for p in params if not any(p is f for f in followed)]
-        if engine.is_last_stage():
-            self._send_loss()
         if self.synchronous:
             # Stock DeepSpeed's cross-stage point: every stage waits here for the global norm.
             partial = _sq_norm(counted)
             self._send_partial_norm(partial)
+            self._send_loss()
             coef = self._clip_coef(self._total_sq_norm(partial))
             if self.clip > 0:
                 self._scale_grads(counted, coef)
@@ -137,6 +166,7 @@ class StageStepper:
         # This stage's all-reduce has completed, so every worker has finished the previous iteration.
         self.finished = None
         if self.clip <= 0:
+            self._send_loss()
             self._remember_step(params, counted)
             self._optimizer_step(params, followed)
             return
@@ -157,6 +187,7 @@ class StageStepper:
             self.inflight = SnapshotUndo(engine.optimizer, params, *snapshot) if self.keep_undo else None
         self._pending = pending
         self._send_partial_norm(partial)
+        self._send_loss()
         self._optimizer_step(params, followed)
 
     def _send_partial_norm(self, partial: float) -> None:
@@ -325,11 +356,25 @@ class StageStepper:
                     self.channel.recv_into((tied.param.data,), owner, TIED_WEIGHT, 0, tied.index)
 
     def _send_loss(self) -> None:
+        """From the last stage, after its partial norms: the other stages receive the norms first."""
+        if not self.engine.is_last_stage():
+            return
         losses = self.engine.aggregate_last_stage_loss()
         for pipeline in self.grid.served_by(self.worker):
             for stage in range(self.stages - 1):
                 if self.grid.is_live((pipeline, stage)):
                     self.channel.send((losses,), (pipeline, stage), LOSS, 0, 0)
+
+
+def _tied_weight_numbers(module) -> dict[tuple[str, str], int]:
+    """A number for every tied (key, attribute) of the whole model, the same on every stage (a stage
+    holds only some of them): it names a tied weight's messages."""
+    attrs: dict[str, list[str]] = {}
+    for spec in module._layer_specs:
+        if isinstance(spec, TiedLayerSpec):
+            attrs.setdefault(spec.key, spec.tied_weight_attr)
+    names = [(key, attr) for key in sorted(attrs) for attr in attrs[key]]
+    return {name: number for number, name in enumerate(names)}
 
 
 def _sq_norm(params) -> float:

@@ -11,6 +11,25 @@ For every op of a worker, in plan order:
 - ``W(h, k, s)``: a ``BackwardWeight``;
 - ``S``: a ``StaggeredStep``.
 
+Routed p2p matches the messages of a directed pair of workers in the order they were posted (no
+tags: NCCL has none), so both sides must post a pair's transfers in one order. A pair from stage
+``s`` to ``s + 1`` carries only activations and one from ``s + 1`` to ``s`` only gradients, but the
+plan may order two micro-batches of a pair differently on its two workers. The lowering then moves
+transfers, never compute:
+
+- activations: the sender follows the receiver's order, holding a send back until the activations
+  the receiver takes before it have been sent (receiving early instead would need a buffer slot
+  beyond the plan's memory cap). The held output stays in its slot until the sender's
+  ``BackwardInput`` of that micro-batch, which waits for a gradient that needs the activation;
+- gradients: the receiver follows the sender's order, receiving a gradient sent earlier than the
+  one it waits for right away, into the slot its micro-batch already holds (sending late instead
+  could outlive the sender's slot, which its ``BackwardWeight`` frees).
+
+Either way a transfer moves only to a point where its message has already been sent (a held send
+goes out right after the one the receiver waits for; an early receive takes a message sent before
+the one it waits for), so no worker waits longer than in the plan's order. :func:`check_pair_order`
+checks that every pair's sends and receives agree, and :func:`lower` runs it on every plan.
+
 Sends are asynchronous in the engine and receives block, so a stream set cannot deadlock iff
 executing the streams in lockstep (a receive waits for its send, a step waits for the whole
 stage) finishes; :func:`check_streams` runs exactly that. Each micro-batch occupies one buffer
@@ -41,8 +60,12 @@ class WorkerStream:
 
 
 def lower(plan: Plan) -> dict[Worker, WorkerStream]:
+    """One stream per live worker; raises StreamError if two sides of a pair disagree on its order."""
     runners = plan.runners()
-    return {worker: _lower_worker(plan, worker, runners) for worker in plan.live_workers}
+    streams = {worker: _lower_worker(plan, worker, runners) for worker in plan.live_workers}
+    _order_transfers(streams)
+    check_pair_order(streams)
+    return streams
 
 
 def _lower_worker(plan: Plan, worker: Worker, runners: dict) -> WorkerStream:
@@ -98,13 +121,88 @@ def _lower_worker(plan: Plan, worker: Worker, runners: dict) -> WorkerStream:
     return WorkerStream(worker, out, max(num_buffers, 1))
 
 
+def _order_transfers(streams: dict[Worker, WorkerStream]) -> None:
+    """Make both sides of every pair post its transfers in one order (see the module docstring)."""
+    from ds_recycle.instructions import RecvActivation, RecvGrad, SendActivation, SendGrad
+
+    receive_order = _pair_order(streams, RecvActivation, received=True)
+    for worker, stream in streams.items():
+        stream.instructions = _hold_sends(worker, stream.instructions, SendActivation, receive_order)
+    send_order = _pair_order(streams, SendGrad, received=False)
+    for worker, stream in streams.items():
+        stream.instructions = _receive_early(worker, stream.instructions, RecvGrad, send_order)
+
+
+def _pair_order(streams: dict[Worker, WorkerStream], kind: type, received: bool) -> dict[tuple, list]:
+    """``(sender, receiver) -> [(home, mb), ...]`` of the ``kind`` instructions, in stream order."""
+    order: dict[tuple, list] = {}
+    for worker, stream in streams.items():
+        for ins in stream.instructions:
+            if isinstance(ins, kind):
+                pair = (ins.peer, worker) if received else (worker, ins.peer)
+                order.setdefault(pair, []).append((ins.home, ins.mb))
+    return order
+
+
+def _hold_sends(worker: Worker, instructions: list, kind: type, receive_order: dict[tuple, list]) -> list:
+    """Emit each ``kind`` send once every message its receiver takes before it has been sent."""
+    out: list = []
+    held: dict[Worker, dict[tuple[int, int], PipeInstruction]] = {}
+    position: dict[Worker, int] = {}
+    for ins in instructions:
+        wanted = receive_order.get((worker, ins.peer)) if isinstance(ins, kind) else None
+        if wanted is None:
+            out.append(ins)
+            continue
+        waiting = held.setdefault(ins.peer, {})
+        waiting[(ins.home, ins.mb)] = ins
+        i = position.get(ins.peer, 0)
+        while i < len(wanted) and wanted[i] in waiting:
+            out.append(waiting.pop(wanted[i]))
+            i += 1
+        position[ins.peer] = i
+    out.extend(ins for waiting in held.values() for ins in waiting.values())  # only for a malformed plan
+    return out
+
+
+def _receive_early(worker: Worker, instructions: list, kind: type, send_order: dict[tuple, list]) -> list:
+    """Before each ``kind`` receive, receive the messages its sender sent before it."""
+    later = {(ins.peer, ins.home, ins.mb): ins for ins in instructions if isinstance(ins, kind)}
+    out: list = []
+    taken: set[tuple] = set()
+    position: dict[Worker, int] = {}
+    index: dict[Worker, dict[tuple[int, int], int]] = {}
+    for ins in instructions:
+        if not isinstance(ins, kind):
+            out.append(ins)
+            continue
+        if (ins.peer, ins.home, ins.mb) in taken:
+            continue
+        sent = send_order.get((ins.peer, worker), [])
+        if ins.peer not in index:
+            index[ins.peer] = {key: i for i, key in enumerate(sent)}
+        at = index[ins.peer].get((ins.home, ins.mb))
+        i = position.get(ins.peer, 0)
+        if at is not None and at >= i:
+            for home, mb in sent[i:at]:
+                early = later.get((ins.peer, home, mb))
+                if early is not None:
+                    out.append(early)
+                    taken.add((ins.peer, home, mb))
+            position[ins.peer] = at + 1
+        out.append(ins)
+    return out
+
+
 class StreamError(ValueError):
     pass
 
 
 def check_streams(streams: dict[Worker, WorkerStream]) -> None:
-    """Raise StreamError unless every send has exactly one matching receive and the streams,
-    run in lockstep with asynchronous sends and blocking receives, all finish."""
+    """Raise StreamError unless every send has exactly one matching receive, every pair's sends
+    and receives come in one order (:func:`check_pair_order`), ``StaggeredStep`` ends its stream,
+    every instruction uses its micro-batch's buffer slot, and the streams, run in lockstep with
+    asynchronous sends and blocking receives matched in order per pair, all finish."""
     from ds_recycle.instructions import StaggeredStep
     from ds_recycle.instructions.routed import MATCHING_SEND, RECVS, SENDS
 
@@ -125,9 +223,14 @@ def check_streams(streams: dict[Worker, WorkerStream]) -> None:
                 f"{kind} of micro-batch ({h},{k}) from {src} to {dst}: "
                 f"{sends.get(key, 0)} send(s) and {recvs.get(key, 0)} receive(s); exactly one of each is needed"
             )
+    check_pair_order(streams)
+    for worker, stream in streams.items():
+        _check_step_last(worker, stream)
+        _check_buffers(worker, stream)
 
     pc = {w: 0 for w in streams}
-    done_sends: set[tuple] = set()
+    posted: dict[tuple[Worker, Worker], int] = {}
+    taken: dict[tuple[Worker, Worker], int] = {}
     stages = {w[1] for w in streams}
     members = {s: [w for w in streams if w[1] == s] for s in stages}
     progressed = True
@@ -137,9 +240,10 @@ def check_streams(streams: dict[Worker, WorkerStream]) -> None:
             while pc[worker] < len(stream.instructions):
                 ins = stream.instructions[pc[worker]]
                 if isinstance(ins, RECVS):
-                    key = (MATCHING_SEND[type(ins)].__name__, ins.peer, worker, ins.home, ins.mb)
-                    if key not in done_sends:
+                    pair = (ins.peer, worker)
+                    if posted.get(pair, 0) <= taken.get(pair, 0):
                         break
+                    taken[pair] = taken.get(pair, 0) + 1
                 elif isinstance(ins, StaggeredStep):
                     peers = members[worker[1]]
                     at_step = all(
@@ -153,13 +257,88 @@ def check_streams(streams: dict[Worker, WorkerStream]) -> None:
                         if p != worker:
                             pc[p] += 1
                 elif isinstance(ins, SENDS):
-                    done_sends.add((type(ins).__name__, worker, ins.peer, ins.home, ins.mb))
+                    posted[(worker, ins.peer)] = posted.get((worker, ins.peer), 0) + 1
                 pc[worker] += 1
                 progressed = True
     stuck = {w: streams[w].instructions[pc[w]] for w in streams if pc[w] < len(streams[w].instructions)}
     if stuck:
         detail = ", ".join(f"{w} at {ins!r}" for w, ins in sorted(stuck.items()))
         raise StreamError(f"streams deadlock: {detail}")
+
+
+def transfers(streams: dict[Worker, WorkerStream]) -> dict[tuple[Worker, Worker], tuple[list, list]]:
+    """``(sender, receiver) -> (sent, received)``: the pair's transfers as ``("activation" or
+    "gradient", home, mb)``, in the sender's and in the receiver's stream order."""
+    from ds_recycle.instructions import RecvActivation, RecvGrad, SendActivation, SendGrad
+
+    kinds = {SendActivation: "activation", SendGrad: "gradient", RecvActivation: "activation", RecvGrad: "gradient"}
+    out: dict[tuple[Worker, Worker], tuple[list, list]] = {}
+    for worker, stream in streams.items():
+        for ins in stream.instructions:
+            kind = kinds.get(type(ins))
+            if kind is None:
+                continue
+            sending = isinstance(ins, (SendActivation, SendGrad))
+            pair = (worker, ins.peer) if sending else (ins.peer, worker)
+            out.setdefault(pair, ([], []))[0 if sending else 1].append((kind, ins.home, ins.mb))
+    return out
+
+
+def check_pair_order(streams: dict[Worker, WorkerStream]) -> None:
+    """Raise StreamError unless, on every directed pair of workers, the sequence of sends equals the
+    sequence of receives: p2p without tags matches a pair's messages in the order they were posted."""
+    for (src, dst), (sent, received) in sorted(transfers(streams).items()):
+        if sent == received:
+            continue
+        pairs = zip(sent, received, strict=False)
+        i = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(sent), len(received)))
+        raise StreamError(
+            f"transfers from {src} to {dst} are posted in different orders: transfer {i} of the pair is "
+            f"{_transfer(sent, i)} on {src} but {_transfer(received, i)} on {dst} "
+            "(p2p matches a pair's messages in the order they were posted)"
+        )
+
+
+def _transfer(sequence: list, i: int) -> str:
+    if i >= len(sequence):
+        return "nothing"
+    kind, home, mb = sequence[i]
+    return f"the {kind} of micro-batch ({home},{mb})"
+
+
+def _check_step_last(worker: Worker, stream: WorkerStream) -> None:
+    """The step's own messages (engine/staggered_step.py) follow every routed transfer of a pair."""
+    from ds_recycle.instructions import StaggeredStep
+
+    steps = [i for i, ins in enumerate(stream.instructions) if isinstance(ins, StaggeredStep)]
+    if len(steps) > 1 or (steps and steps[0] != len(stream.instructions) - 1):
+        raise StreamError(
+            f"worker {worker}: StaggeredStep must be the stream's one last instruction, found at "
+            f"{steps} of {len(stream.instructions)}"
+        )
+
+
+def _check_buffers(worker: Worker, stream: WorkerStream) -> None:
+    """Each micro-batch holds one slot from its first instruction to its BackwardWeight, alone."""
+    from ds_recycle.instructions import BackwardWeight
+
+    holder: dict[int, tuple[int, int]] = {}
+    freed: set[tuple[int, int]] = set()
+    for ins in stream.instructions:
+        buffer_id = getattr(ins, "buffer_id", None)
+        if buffer_id is None:
+            continue
+        micro_batch = (ins.home, ins.mb)
+        if micro_batch in freed:
+            raise StreamError(f"worker {worker}: {ins!r} comes after the BackwardWeight that freed its buffer")
+        if not 0 <= buffer_id < stream.num_buffers:
+            raise StreamError(f"worker {worker}: {ins!r} uses buffer {buffer_id} of {stream.num_buffers}")
+        owner = holder.setdefault(buffer_id, micro_batch)
+        if owner != micro_batch:
+            raise StreamError(f"worker {worker}: {ins!r} uses buffer {buffer_id}, which micro-batch {owner} holds")
+        if isinstance(ins, BackwardWeight):
+            del holder[buffer_id]
+            freed.add(micro_batch)
 
 
 def stream_kinds(stream: WorkerStream) -> list[tuple[str, int, int]]:

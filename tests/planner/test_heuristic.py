@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import survivable_failures
+from streams import check_lowering
 
 from ds_recycle.planner.cache import PlanCache, canonical_failure_sets
 from ds_recycle.planner.fault_free import fault_free_plan
@@ -23,6 +24,7 @@ from ds_recycle.planner.validator import validate
 
 def _check(plan: Plan) -> Plan:
     validate(plan)
+    check_lowering(plan)
     assert plan.lower_bound == pytest.approx(
         lower_bound(plan.pipelines, plan.stages, plan.microbatches, plan.failed, plan.costs, plan.memory_cap)
     )
@@ -82,6 +84,8 @@ def test_relabelled_failure_sets_give_equal_plans(case, rnd):
     a_moved = relabel(a, mapping)
     assert set(a_moved.failed) == set(moved)
     validate(a_moved)
+    check_lowering(a_moved)
+    check_lowering(b)
     assert a_moved.iteration_time == b.iteration_time
 
 
@@ -121,6 +125,7 @@ def test_fault_free_matches_zb_h1():
     for D, P, m in [(1, 4, 8), (2, 4, 4), (1, 8, 8), (2, 3, 9)]:
         engine_plan = fault_free_plan(D, P, m)  # what the engine runs
         validate(engine_plan)
+        check_lowering(engine_plan)
         assert engine_plan.iteration_time == 3 * m + P - 1 == lower_bound(D, P, m, ())
 
 
@@ -157,6 +162,7 @@ def test_every_plan_is_above_the_bound_on_a_grid():
             for cap in (None, 2):
                 plan = plan_heuristic(D, P, m, failed, memory_cap=cap)
                 validate(plan)
+                check_lowering(plan)
                 assert plan.iteration_time >= plan.lower_bound - 1e-9
 
 

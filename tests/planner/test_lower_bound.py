@@ -7,12 +7,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import survivable_failures
+from streams import check_lowering
 
 from ds_recycle.planner.heuristic import candidates, plan_heuristic
 from ds_recycle.planner.list_scheduler import ScheduleOptions, list_schedule
 from ds_recycle.planner.lower_bound import BoundParts, lower_bound, lower_bound_parts
 from ds_recycle.planner.milp import plan_milp
-from ds_recycle.planner.plan import CostModel
+from ds_recycle.planner.plan import CostModel, Plan
 from ds_recycle.planner.validator import validate
 from ds_recycle.sim.cost_model import stage_costs
 from ds_recycle.sim.presets import PRESETS
@@ -60,6 +61,7 @@ def test_bound_is_below_every_candidate_plan(case, decoupled: bool, staggered: b
         tried += 1
         makespan = max(op.end for ops in workers.values() for op in ops)
         assert makespan >= bound - TOLERANCE, (case, options, policy)
+        check_lowering(Plan(D, P, m, failed, costs, cap, workers, iteration_time=makespan))
     plan = plan_heuristic(D, P, m, failed, costs, cap, options)
     validate(plan)
     assert tried > 0
@@ -75,6 +77,7 @@ def test_bound_is_below_milp_plans(case) -> None:
     D, P, m, failed, costs, cap = case
     plan = plan_milp(D, P, m, failed, costs, cap, time_limit=1.0)
     validate(plan)
+    check_lowering(plan)
     assert plan.iteration_time >= lower_bound(D, P, m, failed, costs, cap) - TOLERANCE
 
 

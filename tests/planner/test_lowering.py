@@ -6,12 +6,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import survivable_failures
+from streams import check_lowering
 
-from ds_recycle.instructions import RecvActivation, RecvGrad, SendActivation
+from ds_recycle.instructions import RecvActivation, RecvGrad, SendActivation, SendGrad
 from ds_recycle.planner.fault_free import fault_free_plan
 from ds_recycle.planner.heuristic import plan_heuristic
-from ds_recycle.planner.lowering import StreamError, check_streams, lower, stream_kinds
-from ds_recycle.planner.plan import CostModel
+from ds_recycle.planner.lowering import StreamError, check_pair_order, check_streams, lower, stream_kinds, transfers
+from ds_recycle.planner.plan import CostModel, Plan
+from ds_recycle.planner.simulate import retime
 from ds_recycle.planner.validator import validate
 
 
@@ -82,4 +84,70 @@ def test_swapped_order_deadlocks():
     # stage 0 now waits for the gradient before it sends the activation the gradient needs
     first[send], first[recv] = first[recv], first[send]
     with pytest.raises(StreamError, match="deadlock"):
+        check_streams(streams)
+
+
+def reversed_last_stage() -> Plan:
+    """D=1, P=2, m=2 with stage 1 running micro-batch 1 before 0: stage 0 sends its activations in
+    the order 0, 1 and stage 1 wants 1, 0; the gradients come back 1, 0 and stage 0 wants 0, 1."""
+    plan = fault_free_plan(1, 2, 2)
+    first = {("F", 0, 1): 0, ("B", 0, 1): 1, ("W", 0, 1): 2, ("F", 0, 0): 3, ("B", 0, 0): 4, ("W", 0, 0): 5}
+    plan.workers[(0, 1)].sort(key=lambda op: first.get((op.kind, op.home, op.mb), len(first)))
+    plan = retime(plan)
+    validate(plan)
+    return plan
+
+
+def test_each_pair_posts_its_transfers_in_one_order():
+    """Stage 0 holds its activation 0 back until activation 1 is sent, and receives gradient 1
+    before gradient 0; the compute keeps the plan's order and no buffer is added."""
+    streams = check_lowering(reversed_last_stage())
+    assert [(type(ins).__name__, getattr(ins, "mb", None)) for ins in streams[(0, 0)].instructions] == [
+        ("LoadMicroBatch", 0),
+        ("ForwardPass", 0),
+        ("LoadMicroBatch", 1),
+        ("ForwardPass", 1),
+        ("SendActivation", 1),
+        ("SendActivation", 0),
+        ("RecvGrad", 1),
+        ("RecvGrad", 0),
+        ("BackwardInput", 0),
+        ("BackwardWeight", 0),
+        ("BackwardInput", 1),
+        ("BackwardWeight", 1),
+        ("StaggeredStep", None),
+    ]
+    assert transfers(streams)[((0, 0), (0, 1))] == ([("activation", 0, 1), ("activation", 0, 0)],) * 2
+    assert transfers(streams)[((0, 1), (0, 0))] == ([("gradient", 0, 1), ("gradient", 0, 0)],) * 2
+
+
+def test_receives_out_of_the_senders_order_are_caught():
+    streams = lower(fault_free_plan(1, 2, 2))
+    instructions = streams[(0, 1)].instructions
+    first, second = (i for i, ins in enumerate(instructions) if isinstance(ins, RecvActivation))
+    instructions[first], instructions[second] = instructions[second], instructions[first]
+    with pytest.raises(
+        StreamError,
+        match=r"from \(0, 0\) to \(0, 1\) are posted in different orders: transfer 0 of the pair is the "
+        r"activation of micro-batch \(0,0\) on \(0, 0\) but the activation of micro-batch \(0,1\) on \(0, 1\)",
+    ):
+        check_pair_order(streams)
+
+
+def test_step_must_end_the_stream():
+    streams = lower(fault_free_plan(1, 2, 2))
+    stream = streams[(0, 0)]
+    step = stream.instructions.pop()
+    stream.instructions.insert(len(stream.instructions) - 1, step)
+    with pytest.raises(StreamError, match=r"worker \(0, 0\): StaggeredStep must be the stream's one last"):
+        check_streams(streams)
+
+
+def test_a_buffer_used_after_its_backward_weight_is_caught():
+    streams = lower(fault_free_plan(1, 2, 2))
+    stream = streams[(0, 1)]
+    last_send = max(i for i, ins in enumerate(stream.instructions) if isinstance(ins, SendGrad))
+    send = stream.instructions.pop(last_send)
+    stream.instructions.insert(len(stream.instructions) - 1, send)
+    with pytest.raises(StreamError, match=r"SendGrad\(buffer_id=1, home=0, mb=1.*after the BackwardWeight"):
         check_streams(streams)

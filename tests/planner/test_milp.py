@@ -6,6 +6,7 @@ import random
 
 import mip
 import pytest
+from streams import check_lowering
 
 from ds_recycle.planner.heuristic import plan_heuristic
 from ds_recycle.planner.list_scheduler import ScheduleOptions, list_schedule
@@ -34,6 +35,7 @@ def _unbalanced_warm_start(D: int, P: int, m: int, failed, costs: CostModel, cap
     makespan = max(op.end for ops in workers.values() for op in ops)
     plan = Plan(D, P, m, tuple(sorted(failed)), costs, cap, workers, iteration_time=makespan, solver="test")
     validate(plan)
+    check_lowering(plan)
     return plan
 
 
@@ -52,6 +54,7 @@ def test_milp_plans_are_valid_and_never_worse_than_the_heuristic(seed: int) -> N
     warm = plan_heuristic(D, P, m, failed, costs)
     plan = plan_milp(D, P, m, failed, costs, time_limit=1.5, warm_start=warm)
     validate(plan)
+    check_lowering(plan)
     assert plan.solver == "milp"
     assert plan.iteration_time <= warm.iteration_time + 1e-9
     assert plan.iteration_time >= plan.lower_bound - 1e-9
@@ -79,6 +82,7 @@ def test_milp_improves_a_poor_warm_start_and_reports_its_gap(solver: str) -> Non
     warm = _unbalanced_warm_start(D, P, m, failed, costs, P)
     plan = plan_milp(D, P, m, failed, costs, time_limit=6.0, warm_start=warm, solver_name=solver)
     validate(plan)
+    check_lowering(plan)
     assert plan.extra["milp"]["solver_name"] == solver
     assert plan.iteration_time < warm.iteration_time
     assert plan.extra["milp"]["improved"] is True
@@ -96,6 +100,7 @@ def test_milp_solves_a_tiny_instance_to_optimality() -> None:
     warm = _unbalanced_warm_start(D, P, m, failed, costs, P)  # one survivor: assignment is forced
     plan = plan_milp(D, P, m, failed, costs, time_limit=5.0, warm_start=warm)
     validate(plan)
+    check_lowering(plan)
     assert plan.gap == 0.0
     # stage 1 has one worker doing 4 micro-batches of F+B+W after the first forward of stage 0
     assert plan.iteration_time == pytest.approx(1 + 4 * 3)
@@ -105,6 +110,7 @@ def test_milp_respects_a_tight_memory_cap() -> None:
     D, P, m, failed = 2, 3, 4, [(1, 1)]
     plan = plan_milp(D, P, m, failed, memory_cap=2, time_limit=2.0)
     validate(plan)
+    check_lowering(plan)
     assert plan.memory_cap == 2
     for ops in plan.workers.values():
         live = [op for op in ops if op.kind != STEP]
@@ -120,6 +126,7 @@ def test_milp_under_ablation_options(options: ScheduleOptions) -> None:
     D, P, m, failed = 3, 3, 3, [(2, 0)]
     plan = plan_milp(D, P, m, failed, time_limit=1.5, options=options)
     validate(plan)
+    check_lowering(plan)
     assert plan.extra["decoupled"] is options.decoupled and plan.extra["staggered"] is options.staggered
     if not options.decoupled:
         for ops in plan.workers.values():

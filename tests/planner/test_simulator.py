@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from streams import check_lowering
 
 from ds_recycle.planner.fault_free import fault_free_plan
 from ds_recycle.planner.heuristic import plan_heuristic
@@ -67,6 +68,7 @@ def test_ablation_ordering(D, P, m, failed):
     ):
         plan = plan_heuristic(D, P, m, failed, costs=costs, options=options)
         validate(plan)
+        check_lowering(plan)
         periods.append(simulate(plan, iterations=6).steady_state_period)
     assert periods[0] >= periods[1] - 1e-9 >= periods[2] - 2e-9
     assert periods[0] > periods[2]

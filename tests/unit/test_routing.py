@@ -1,0 +1,60 @@
+"""Routed p2p without tags between real gloo processes: a pair's messages match in the order they
+were posted, a header gives the first activation's shapes, and a pair whose two sides disagree on
+the order fails with an error that names both messages."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ds_recycle.engine.routing import CHECK_ENV
+from ds_recycle.runtime.launcher import launch
+
+pytestmark = pytest.mark.multiprocess
+
+WORKER = Path(__file__).with_name("routing_worker.py")
+
+
+def run_pair(tmp_path: Path, scenario: str, checked: bool) -> list[dict]:
+    out = tmp_path / "out"
+    results = launch(
+        [str(WORKER), "--scenario", scenario, "--out", str(out)],
+        world_size=2,
+        timeout=120,
+        log_dir=tmp_path / "logs",
+        env={CHECK_ENV: "1" if checked else "0"},
+    )
+    for result in results:
+        assert result.ok, result.log[-4000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.mark.parametrize("checked", [False, True])
+def test_a_pairs_messages_match_in_posting_order(tmp_path, checked):
+    first, last = run_pair(tmp_path, "agreed_order", checked)
+    assert first["checked"] is last["checked"] is checked
+    assert first["tags"] == last["tags"] == ["None"], "no tag may reach torch"
+    # per iteration: gradients of micro-batches 1 and 0, tied gradient, partial norm, loss
+    assert first["received"] == [-2.0, -1.0, 200.0, 400.0, 500.0, -2.0, -1.0, 201.0, 401.0, 501.0]
+    # activations (value, home, mb) of micro-batches 1 and 0, partial norm, tied weight
+    assert last["received"] == [1.0, 0, 1, 0.0, 0, 0, 100.0, 300.0] + [1.0, 0, 1, 0.0, 0, 0, 101.0, 301.0]
+
+
+def test_the_first_activation_on_a_pair_is_checked(tmp_path):
+    _first, last = run_pair(tmp_path, "swapped", checked=False)
+    assert last["error"] == (
+        "workers (0, 0) and (0, 1) post their messages in different orders: (0, 1) receives activation of "
+        "micro-batch (0,1) as message 0 from (0, 0), but (0, 0) sent activation of micro-batch (0,0) as "
+        "message 0 to it"
+    )
+
+
+def test_a_checked_channel_checks_every_message(tmp_path):
+    _first, last = run_pair(tmp_path, "swapped", checked=True)
+    assert last["error"] == (
+        "workers (0, 0) and (0, 1) post their messages in different orders: (0, 1) receives gradient of "
+        "micro-batch (0,0) as message 2 from (0, 0), but (0, 0) sent gradient of micro-batch (0,1) as "
+        "message 2 to it"
+    )
