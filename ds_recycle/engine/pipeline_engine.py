@@ -285,12 +285,6 @@ class RecyclePipelineEngine(PipelineEngine):
     def _check_supported(self) -> None:
         if self.is_pipe_partitioned or self.is_grad_partitioned:
             raise RecycleConfigError("recycle does not support pipe/grad partitioning (tensor parallelism > 1) yet")
-        if self.grid.data_parallel_size > 4096 or self.micro_batches > 65536:
-            raise RecycleConfigError(
-                f"recycle tags messages with 12 bits of pipeline and 16 of micro-batch: data parallelism "
-                f"{self.grid.data_parallel_size} must be <= 4096 and gradient_accumulation_steps "
-                f"{self.micro_batches} <= 65536"
-            )
         if self.dynamic_shape:
             raise RecycleConfigError(
                 "recycle does not support 'pipeline.dynamic_shape': activations between stages must keep one shape"

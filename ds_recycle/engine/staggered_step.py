@@ -216,7 +216,8 @@ class StageStepper:
             self._pending = None
         self._exchange_tied_weights()
         # The last wait that a failure can interrupt: from here on the iteration is finished at
-        # once (counters, LR step and undo record), so a recovery sees it either in flight or done.
+        # once (LR step, undo record, then the engine's counters), so a recovery sees it either in
+        # flight or done.
         self.channel.wait_sends()
         lr_state = None
         if engine.lr_scheduler is not None:
@@ -240,7 +241,7 @@ class StageStepper:
         self._pending = None
 
     def rollback_finished(self) -> None:
-        """Undo the last finished iteration: its step, its LR step and the engine's counters."""
+        """Undo the last finished iteration: its step and its LR step (the engine its counters)."""
         engine, finished = self.engine, self.finished
         if finished is None:
             raise RuntimeError("the last finished iteration cannot be undone: its undo record was dropped")

@@ -7,8 +7,8 @@ and :func:`check_costs` themselves.
 
 Why these numbers (measured on the 2-core development machine, docs/planner.md):
 
-- ``D <= 4096`` and ``m <= 65536``: the engine's routed p2p tags hold a home pipeline below 4096
-  and a micro-batch index below 65536 (``engine/routing.py``), so a larger plan could not run.
+- ``D <= 4096`` and ``m <= 65536``: far beyond any job (16,384 GPUs at P = 4 is D = 4096); they
+  keep a plan's size, its cache key and its text Gantt bounded.
 - ``P <= 1024``: far above any pipeline depth in use; keeps the text Gantt and the cache keys sane.
 - ``3*D*P*m <= 1_000_000`` ops: the heuristic's time is about linear in the ops (0.1-0.3 s for
   6,144 ops at D=8, P=8, m=32; 28 s for 786,432), so this bounds a plan to well under a minute.

@@ -129,6 +129,10 @@ class NodeLink:
             except Exception:  # the store is unreachable: the lease lapses unless it comes back
                 pass
             self._stop.wait(min(0.02, period))
+        try:
+            self._send_reports()  # the last exits, so that node 0 knows this node's ranks ended
+        except Exception:
+            pass
 
     def _renew(self) -> None:
         self._store.set(proto.lease_key(self.node), Lease(self.node_incarnation, time.time()).to_json())
