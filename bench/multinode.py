@@ -109,7 +109,8 @@ def run_job(run: Path, steps: int, lease: float, faults: bool) -> dict:
             wait(lambda: iterations_done(run) >= steps // 8 + 6, "a degraded phase")
             nodes[3] = Node(run, 3, port, steps, lease, incarnation=1)
             wait(lambda: sum(r["kind"] == "change" for r in records(run)) >= 2, "node 3's re-admission")
-            wait(lambda: iterations_done(run) >= max(r["iteration"] for r in records(run)) + 6, "a restored phase")
+            restored = iterations_done(run) + 6
+            wait(lambda: iterations_done(run) >= restored, "a restored phase")
             events["freeze"] = time.time()
             nodes[2].signal(signal.SIGSTOP, ranks_too=True)
             wait(lambda: sum(r["kind"] == "change" for r in records(run)) >= 3, "node 2's failure")

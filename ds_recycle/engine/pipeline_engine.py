@@ -46,6 +46,7 @@ from ds_recycle.instructions import (
     SendActivation,
     SendGrad,
     StaggeredStep,
+    to_instruction,
 )
 from ds_recycle.log import logger
 from ds_recycle.planner.cache import PlanCache
@@ -65,17 +66,18 @@ TRAIN_BATCH_TIMER = "train_batch"
 
 
 class PlannedSchedule(schedule.PipeSchedule):
-    """One worker's lowered instruction stream, one instruction per step."""
+    """One worker's lowered stream as this engine's instructions, one per step."""
 
     def __init__(self, stream: WorkerStream, micro_batches: int, stages: int, stage_id: int):
         super().__init__(micro_batches, stages, stage_id)
-        self.stream = stream
+        self.num_buffers = stream.num_buffers
+        self.instructions = [to_instruction(action) for action in stream.actions]
 
     def num_pipe_buffers(self) -> int:
-        return self.stream.num_buffers
+        return self.num_buffers
 
     def steps(self):
-        for instruction in self.stream.instructions:
+        for instruction in self.instructions:
             yield [instruction]
 
 

@@ -39,23 +39,31 @@ slot from its first instruction to its ``BackwardWeight``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from ds_recycle.planner.actions import (
+    MATCHING_SEND,
+    RECVS,
+    SENDS,
+    Action,
+    BackwardInput,
+    BackwardWeight,
+    ForwardPass,
+    LoadMicroBatch,
+    RecvActivation,
+    RecvGrad,
+    SendActivation,
+    SendGrad,
+    StaggeredStep,
+)
 from ds_recycle.planner.plan import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, STEP, Plan, Worker
-
-if TYPE_CHECKING:
-    from deepspeed.runtime.pipe.schedule import PipeInstruction
-
-# The instruction classes subclass DeepSpeed's, and importing DeepSpeed takes seconds: they are
-# imported inside the functions below, so that planning (which never lowers) does not pay for it.
 
 
 @dataclass
 class WorkerStream:
-    """The instructions of one worker for one iteration and the buffer slots they use."""
+    """The actions of one worker for one iteration and the buffer slots they use."""
 
     worker: Worker
-    instructions: list[PipeInstruction]
+    actions: list[Action]
     num_buffers: int
 
 
@@ -69,23 +77,12 @@ def lower(plan: Plan) -> dict[Worker, WorkerStream]:
 
 
 def _lower_worker(plan: Plan, worker: Worker, runners: dict) -> WorkerStream:
-    from ds_recycle.instructions import (
-        BackwardInput,
-        BackwardWeight,
-        ForwardPass,
-        LoadMicroBatch,
-        RecvActivation,
-        RecvGrad,
-        SendActivation,
-        SendGrad,
-        StaggeredStep,
-    )
 
     last_stage = plan.stages - 1
     free_slots: list[int] = []
     slot_of: dict[tuple[int, int], int] = {}
     num_buffers = 0
-    out: list[PipeInstruction] = []
+    out: list[Action] = []
 
     for op in plan.workers[worker]:
         if op.kind == STEP:
@@ -123,33 +120,32 @@ def _lower_worker(plan: Plan, worker: Worker, runners: dict) -> WorkerStream:
 
 def _order_transfers(streams: dict[Worker, WorkerStream]) -> None:
     """Make both sides of every pair post its transfers in one order (see the module docstring)."""
-    from ds_recycle.instructions import RecvActivation, RecvGrad, SendActivation, SendGrad
 
     receive_order = _pair_order(streams, RecvActivation, received=True)
     for worker, stream in streams.items():
-        stream.instructions = _hold_sends(worker, stream.instructions, SendActivation, receive_order)
+        stream.actions = _hold_sends(worker, stream.actions, SendActivation, receive_order)
     send_order = _pair_order(streams, SendGrad, received=False)
     for worker, stream in streams.items():
-        stream.instructions = _receive_early(worker, stream.instructions, RecvGrad, send_order)
+        stream.actions = _receive_early(worker, stream.actions, RecvGrad, send_order)
 
 
 def _pair_order(streams: dict[Worker, WorkerStream], kind: type, received: bool) -> dict[tuple, list]:
-    """``(sender, receiver) -> [(home, mb), ...]`` of the ``kind`` instructions, in stream order."""
+    """``(sender, receiver) -> [(home, mb), ...]`` of the ``kind`` actions, in stream order."""
     order: dict[tuple, list] = {}
     for worker, stream in streams.items():
-        for ins in stream.instructions:
+        for ins in stream.actions:
             if isinstance(ins, kind):
                 pair = (ins.peer, worker) if received else (worker, ins.peer)
                 order.setdefault(pair, []).append((ins.home, ins.mb))
     return order
 
 
-def _hold_sends(worker: Worker, instructions: list, kind: type, receive_order: dict[tuple, list]) -> list:
+def _hold_sends(worker: Worker, actions: list, kind: type, receive_order: dict[tuple, list]) -> list:
     """Emit each ``kind`` send once every message its receiver takes before it has been sent."""
     out: list = []
-    held: dict[Worker, dict[tuple[int, int], PipeInstruction]] = {}
+    held: dict[Worker, dict[tuple[int, int], Action]] = {}
     position: dict[Worker, int] = {}
-    for ins in instructions:
+    for ins in actions:
         wanted = receive_order.get((worker, ins.peer)) if isinstance(ins, kind) else None
         if wanted is None:
             out.append(ins)
@@ -165,14 +161,14 @@ def _hold_sends(worker: Worker, instructions: list, kind: type, receive_order: d
     return out
 
 
-def _receive_early(worker: Worker, instructions: list, kind: type, send_order: dict[tuple, list]) -> list:
+def _receive_early(worker: Worker, actions: list, kind: type, send_order: dict[tuple, list]) -> list:
     """Before each ``kind`` receive, receive the messages its sender sent before it."""
-    later = {(ins.peer, ins.home, ins.mb): ins for ins in instructions if isinstance(ins, kind)}
+    later = {(ins.peer, ins.home, ins.mb): ins for ins in actions if isinstance(ins, kind)}
     out: list = []
     taken: set[tuple] = set()
     position: dict[Worker, int] = {}
     index: dict[Worker, dict[tuple[int, int], int]] = {}
-    for ins in instructions:
+    for ins in actions:
         if not isinstance(ins, kind):
             out.append(ins)
             continue
@@ -203,13 +199,11 @@ def check_streams(streams: dict[Worker, WorkerStream]) -> None:
     and receives come in one order (:func:`check_pair_order`), ``StaggeredStep`` ends its stream,
     every instruction uses its micro-batch's buffer slot, and the streams, run in lockstep with
     asynchronous sends and blocking receives matched in order per pair, all finish."""
-    from ds_recycle.instructions import StaggeredStep
-    from ds_recycle.instructions.routed import MATCHING_SEND, RECVS, SENDS
 
     sends: dict[tuple, int] = {}
     recvs: dict[tuple, int] = {}
     for worker, stream in streams.items():
-        for ins in stream.instructions:
+        for ins in stream.actions:
             if isinstance(ins, SENDS):
                 key = (type(ins).__name__, worker, ins.peer, ins.home, ins.mb)
                 sends[key] = sends.get(key, 0) + 1
@@ -237,8 +231,8 @@ def check_streams(streams: dict[Worker, WorkerStream]) -> None:
     while progressed:
         progressed = False
         for worker, stream in streams.items():
-            while pc[worker] < len(stream.instructions):
-                ins = stream.instructions[pc[worker]]
+            while pc[worker] < len(stream.actions):
+                ins = stream.actions[pc[worker]]
                 if isinstance(ins, RECVS):
                     pair = (ins.peer, worker)
                     if posted.get(pair, 0) <= taken.get(pair, 0):
@@ -247,8 +241,7 @@ def check_streams(streams: dict[Worker, WorkerStream]) -> None:
                 elif isinstance(ins, StaggeredStep):
                     peers = members[worker[1]]
                     at_step = all(
-                        pc[p] < len(streams[p].instructions)
-                        and isinstance(streams[p].instructions[pc[p]], StaggeredStep)
+                        pc[p] < len(streams[p].actions) and isinstance(streams[p].actions[pc[p]], StaggeredStep)
                         for p in peers
                     )
                     if not at_step:
@@ -260,7 +253,7 @@ def check_streams(streams: dict[Worker, WorkerStream]) -> None:
                     posted[(worker, ins.peer)] = posted.get((worker, ins.peer), 0) + 1
                 pc[worker] += 1
                 progressed = True
-    stuck = {w: streams[w].instructions[pc[w]] for w in streams if pc[w] < len(streams[w].instructions)}
+    stuck = {w: streams[w].actions[pc[w]] for w in streams if pc[w] < len(streams[w].actions)}
     if stuck:
         detail = ", ".join(f"{w} at {ins!r}" for w, ins in sorted(stuck.items()))
         raise StreamError(f"streams deadlock: {detail}")
@@ -269,12 +262,11 @@ def check_streams(streams: dict[Worker, WorkerStream]) -> None:
 def transfers(streams: dict[Worker, WorkerStream]) -> dict[tuple[Worker, Worker], tuple[list, list]]:
     """``(sender, receiver) -> (sent, received)``: the pair's transfers as ``("activation" or
     "gradient", home, mb)``, in the sender's and in the receiver's stream order."""
-    from ds_recycle.instructions import RecvActivation, RecvGrad, SendActivation, SendGrad
 
     kinds = {SendActivation: "activation", SendGrad: "gradient", RecvActivation: "activation", RecvGrad: "gradient"}
     out: dict[tuple[Worker, Worker], tuple[list, list]] = {}
     for worker, stream in streams.items():
-        for ins in stream.instructions:
+        for ins in stream.actions:
             kind = kinds.get(type(ins))
             if kind is None:
                 continue
@@ -308,23 +300,21 @@ def _transfer(sequence: list, i: int) -> str:
 
 def _check_step_last(worker: Worker, stream: WorkerStream) -> None:
     """The step's own messages (engine/staggered_step.py) follow every routed transfer of a pair."""
-    from ds_recycle.instructions import StaggeredStep
 
-    steps = [i for i, ins in enumerate(stream.instructions) if isinstance(ins, StaggeredStep)]
-    if len(steps) > 1 or (steps and steps[0] != len(stream.instructions) - 1):
+    steps = [i for i, ins in enumerate(stream.actions) if isinstance(ins, StaggeredStep)]
+    if len(steps) > 1 or (steps and steps[0] != len(stream.actions) - 1):
         raise StreamError(
             f"worker {worker}: StaggeredStep must be the stream's one last instruction, found at "
-            f"{steps} of {len(stream.instructions)}"
+            f"{steps} of {len(stream.actions)}"
         )
 
 
 def _check_buffers(worker: Worker, stream: WorkerStream) -> None:
     """Each micro-batch holds one slot from its first instruction to its BackwardWeight, alone."""
-    from ds_recycle.instructions import BackwardWeight
 
     holder: dict[int, tuple[int, int]] = {}
     freed: set[tuple[int, int]] = set()
-    for ins in stream.instructions:
+    for ins in stream.actions:
         buffer_id = getattr(ins, "buffer_id", None)
         if buffer_id is None:
             continue
@@ -343,11 +333,10 @@ def _check_buffers(worker: Worker, stream: WorkerStream) -> None:
 
 def stream_kinds(stream: WorkerStream) -> list[tuple[str, int, int]]:
     """The compute ops of a stream as (F|B|W|S, home, mb), the form the engine's events use."""
-    from ds_recycle.instructions import BackwardInput, BackwardWeight, ForwardPass, StaggeredStep
 
     names = {ForwardPass: FORWARD, BackwardInput: BACKWARD_INPUT, BackwardWeight: BACKWARD_WEIGHT}
     out = []
-    for ins in stream.instructions:
+    for ins in stream.actions:
         if type(ins) in names:
             out.append((names[type(ins)], ins.home, ins.mb))
         elif isinstance(ins, StaggeredStep):

@@ -87,6 +87,10 @@ class LaunchConfig:
     """The job token, the same on every node (None on one node: a fresh random one)."""
     status_port: int | None = None
     """Serve the job's status page on this port of ``host`` (node 0; 0: any free port; None: no page)."""
+    membership: bool = True
+    """Tell the ranks where the coordinator is (``DS_RECYCLE_STORE``, token, incarnation). Without
+    it the ranks see a plain launcher (DeepSpeed's environment only): for scripts that start
+    torch.distributed themselves and need no membership, such as stock-against-ReCycle comparisons."""
     respawn: bool = False
     respawn_delay: float = 1.0
     timeout: float | None = None
@@ -312,12 +316,17 @@ class Launcher:
                 "TORCHELASTIC_USE_AGENT_STORE": "True",
                 "TORCHELASTIC_RESTART_COUNT": str(self.generation),
                 "TORCH_CPP_LOG_LEVEL": "ERROR",
-                proto.ENV_STORE: f"{host}:{port}",
-                proto.ENV_TOKEN: self.token,
-                proto.ENV_INCARNATION: str(s.incarnation),
-                proto.ENV_GENERATION: str(self.generation),
             }
         )
+        if config.membership:
+            env.update(
+                {
+                    proto.ENV_STORE: f"{host}:{port}",
+                    proto.ENV_TOKEN: self.token,
+                    proto.ENV_INCARNATION: str(s.incarnation),
+                    proto.ENV_GENERATION: str(self.generation),
+                }
+            )
         cmd = [config.python, *config.argv]
         started = time.time()
         options = {"env": env, "start_new_session": True, "preexec_fn": _die_with_parent}
@@ -566,6 +575,7 @@ def launch(
     respawn_delay: float = 1.0,
     heartbeat: HeartbeatPolicy | None = None,
     echo: Callable[[str], None] | None = None,
+    membership: bool = True,
 ) -> list[RankResult]:
     """Run ``python argv...`` as ranks 0..world_size-1 under a :class:`Launcher`.
 
@@ -584,6 +594,7 @@ def launch(
         env=env,
         python=python,
         heartbeat=heartbeat or HeartbeatPolicy(),
+        membership=membership,
     )
     launcher = Launcher(config, echo=echo or (lambda line: None))
     launcher.run()

@@ -35,6 +35,7 @@ def run_ranks(tmp_path: Path, pp: int, dp: int, runs: list[dict], steps: int = 5
         world_size=pp * dp,
         timeout=timeout,
         log_dir=tmp_path / "logs",
+        membership=False,  # the worker runs stock and ReCycle engines in one process: no coordinator
     )
     failed = [r for r in results if not r.ok]
     if failed:

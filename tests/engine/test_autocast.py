@@ -48,7 +48,9 @@ def dumps(tmp_path_factory) -> dict[str, list[dict]]:
     tmp = tmp_path_factory.mktemp("autocast")
     (tmp / "runs.json").write_text(json.dumps(RUNS))
     args = [str(WORKER), "--pp", str(PP), "--steps", str(STEPS), "--runs", str(tmp / "runs.json"), "--out"]
-    results = launch([*args, str(tmp / "out")], world_size=PP * DP, timeout=300, log_dir=tmp / "logs")
+    results = launch(
+        [*args, str(tmp / "out")], world_size=PP * DP, timeout=300, log_dir=tmp / "logs", membership=False
+    )  # stock and ReCycle engines in one process: no coordinator
     failed = [r for r in results if not r.ok]
     if failed:
         sys.stderr.write(failed[0].log[-6000:])

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from strategies import survivable_failures
 from streams import check_lowering
 
-from ds_recycle.instructions import RecvActivation, RecvGrad, SendActivation, SendGrad
+from ds_recycle.planner.actions import RecvActivation, RecvGrad, SendActivation, SendGrad
 from ds_recycle.planner.fault_free import fault_free_plan
 from ds_recycle.planner.heuristic import plan_heuristic
 from ds_recycle.planner.lowering import StreamError, check_pair_order, check_streams, lower, stream_kinds, transfers
@@ -50,7 +50,7 @@ def test_every_plan_lowers_without_deadlock(case):
     # re-routed work is received from the worker that really produced it
     runners = plan.runners()
     for worker, stream in streams.items():
-        for ins in stream.instructions:
+        for ins in stream.actions:
             if isinstance(ins, RecvActivation):
                 assert runners[("F", ins.home, ins.mb, worker[1] - 1)] == ins.peer
 
@@ -58,8 +58,8 @@ def test_every_plan_lowers_without_deadlock(case):
 def test_missing_receive_is_caught():
     streams = lower(fault_free_plan(1, 2, 2))
     stream = streams[(0, 1)]
-    index = next(i for i, ins in enumerate(stream.instructions) if isinstance(ins, RecvActivation))
-    del stream.instructions[index]
+    index = next(i for i, ins in enumerate(stream.actions) if isinstance(ins, RecvActivation))
+    del stream.actions[index]
     with pytest.raises(StreamError, match=r"SendActivation of micro-batch \(0,0\).*1 send\(s\) and 0 receive\(s\)"):
         check_streams(streams)
 
@@ -67,9 +67,9 @@ def test_missing_receive_is_caught():
 def test_receive_from_wrong_peer_is_caught():
     streams = lower(plan_heuristic(2, 2, 2, [(0, 1)]))
     for _worker, stream in streams.items():
-        for i, ins in enumerate(stream.instructions):
+        for i, ins in enumerate(stream.actions):
             if isinstance(ins, RecvGrad):
-                stream.instructions[i] = RecvGrad(ins.buffer_id, ins.home, ins.mb, (1 - ins.peer[0], ins.peer[1]))
+                stream.actions[i] = RecvGrad(ins.buffer_id, ins.home, ins.mb, (1 - ins.peer[0], ins.peer[1]))
                 with pytest.raises(StreamError, match="exactly one of each"):
                     check_streams(streams)
                 return
@@ -78,7 +78,7 @@ def test_receive_from_wrong_peer_is_caught():
 
 def test_swapped_order_deadlocks():
     streams = lower(fault_free_plan(1, 2, 1))
-    first = streams[(0, 0)].instructions
+    first = streams[(0, 0)].actions
     send = next(i for i, ins in enumerate(first) if isinstance(ins, SendActivation))
     recv = next(i for i, ins in enumerate(first) if isinstance(ins, RecvGrad))
     # stage 0 now waits for the gradient before it sends the activation the gradient needs
@@ -102,7 +102,7 @@ def test_each_pair_posts_its_transfers_in_one_order():
     """Stage 0 holds its activation 0 back until activation 1 is sent, and receives gradient 1
     before gradient 0; the compute keeps the plan's order and no buffer is added."""
     streams = check_lowering(reversed_last_stage())
-    assert [(type(ins).__name__, getattr(ins, "mb", None)) for ins in streams[(0, 0)].instructions] == [
+    assert [(type(ins).__name__, getattr(ins, "mb", None)) for ins in streams[(0, 0)].actions] == [
         ("LoadMicroBatch", 0),
         ("ForwardPass", 0),
         ("LoadMicroBatch", 1),
@@ -123,7 +123,7 @@ def test_each_pair_posts_its_transfers_in_one_order():
 
 def test_receives_out_of_the_senders_order_are_caught():
     streams = lower(fault_free_plan(1, 2, 2))
-    instructions = streams[(0, 1)].instructions
+    instructions = streams[(0, 1)].actions
     first, second = (i for i, ins in enumerate(instructions) if isinstance(ins, RecvActivation))
     instructions[first], instructions[second] = instructions[second], instructions[first]
     with pytest.raises(
@@ -137,8 +137,8 @@ def test_receives_out_of_the_senders_order_are_caught():
 def test_step_must_end_the_stream():
     streams = lower(fault_free_plan(1, 2, 2))
     stream = streams[(0, 0)]
-    step = stream.instructions.pop()
-    stream.instructions.insert(len(stream.instructions) - 1, step)
+    step = stream.actions.pop()
+    stream.actions.insert(len(stream.actions) - 1, step)
     with pytest.raises(StreamError, match=r"worker \(0, 0\): StaggeredStep must be the stream's one last"):
         check_streams(streams)
 
@@ -146,8 +146,8 @@ def test_step_must_end_the_stream():
 def test_a_buffer_used_after_its_backward_weight_is_caught():
     streams = lower(fault_free_plan(1, 2, 2))
     stream = streams[(0, 1)]
-    last_send = max(i for i, ins in enumerate(stream.instructions) if isinstance(ins, SendGrad))
-    send = stream.instructions.pop(last_send)
-    stream.instructions.insert(len(stream.instructions) - 1, send)
+    last_send = max(i for i, ins in enumerate(stream.actions) if isinstance(ins, SendGrad))
+    send = stream.actions.pop(last_send)
+    stream.actions.insert(len(stream.actions) - 1, send)
     with pytest.raises(StreamError, match=r"SendGrad\(buffer_id=1, home=0, mb=1.*after the BackwardWeight"):
         check_streams(streams)
