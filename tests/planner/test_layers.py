@@ -9,7 +9,14 @@ from pathlib import Path
 import ds_recycle.planner
 
 PLANNER = Path(ds_recycle.planner.__file__).parent
-ABOVE = ("ds_recycle.sim", "ds_recycle.cli", "ds_recycle.engine", "ds_recycle.runtime", "ds_recycle.integrations")
+ABOVE = (
+    "ds_recycle.sim",
+    "ds_recycle.cli",
+    "ds_recycle.engine",
+    "ds_recycle.instructions",
+    "ds_recycle.runtime",
+    "ds_recycle.integrations",
+)
 HEAVY = ("torch", "deepspeed")
 
 
@@ -45,5 +52,16 @@ def test_no_planner_module_loads_torch_or_deepspeed_at_import() -> None:
         for path in sorted(PLANNER.glob("*.py"))
         for name, top_level in _imports(ast.parse(path.read_text()))
         if top_level and _matches(name, HEAVY)
+    ]
+    assert offending == []
+
+
+def test_the_lowering_emits_plain_actions_without_deepspeed() -> None:
+    """Not even inside a function: the engine maps the actions to its instruction classes."""
+    offending = [
+        f"{path.name}: {name}"
+        for path in sorted(PLANNER.glob("*.py"))
+        for name, _ in _imports(ast.parse(path.read_text()))
+        if _matches(name, ("deepspeed", "ds_recycle.instructions"))
     ]
     assert offending == []
