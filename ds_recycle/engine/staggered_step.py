@@ -65,7 +65,6 @@ survivors and on a joiner that the recovery admitted alike.
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 
@@ -100,9 +99,7 @@ class FinishedStep:
 class _PendingValidation:
     reduced_grads: list[torch.Tensor | None]
     partial_sq_norm: float
-    undo: StepUndo | None
-    snapshot: tuple[list[torch.Tensor], dict] | None = None
-    """Parameters and optimizer state, only for an optimizer the in-place undo does not cover."""
+    undo: StepUndo | SnapshotUndo
 
 
 class StageStepper:
@@ -172,20 +169,9 @@ class StageStepper:
             return
         partial = _sq_norm(counted)
         reduced = [None if p.grad is None else p.grad.detach().clone() for p in params]
-        counted_ids = {id(p) for p in counted}
-        stepped = {p: g for p, g in zip(params, reduced, strict=True) if g is not None and id(p) in counted_ids}
-        reason = unsupported_reason(engine.optimizer)
-        if reason is None:
-            pending = _PendingValidation(reduced, partial, StepUndo.before_step(engine.optimizer, stepped))
-            self.inflight = pending.undo if self.keep_undo else None
-        else:
-            if not self._warned_snapshot:
-                self._warned_snapshot = True
-                logger.warning(f"ReCycle: clipping post-validation keeps a snapshot of the state: {reason}")
-            snapshot = ([p.detach().clone() for p in params], copy.deepcopy(engine.optimizer.state_dict()))
-            pending = _PendingValidation(reduced, partial, None, snapshot)
-            self.inflight = SnapshotUndo(engine.optimizer, params, *snapshot) if self.keep_undo else None
-        self._pending = pending
+        undo = self._undo_record(params, counted, dict(zip(params, reduced, strict=True)))
+        self._pending = _PendingValidation(reduced, partial, undo)
+        self.inflight = undo if self.keep_undo else None
         self._send_partial_norm(partial)
         self._send_loss()
         self._optimizer_step(params, followed)
@@ -261,20 +247,22 @@ class StageStepper:
         self.channel.wait_sends()
 
     def _remember_step(self, params, counted) -> None:
-        if not self.keep_undo:
-            return
-        counted_ids = {id(p) for p in counted}
+        if self.keep_undo:
+            grads = {p: None if p.grad is None else p.grad.detach().clone() for p in params}
+            self.inflight = self._undo_record(params, counted, grads)
+
+    def _undo_record(self, params, counted, grads: dict) -> StepUndo | SnapshotUndo:
+        """An undo of the step about to be taken: in place where the optimizer allows it (keeping
+        ``grads``, the gradients the step uses, of the ``counted`` parameters), else a snapshot of
+        the parameters and the optimizer state (with a warning, once)."""
         optimizer = self.engine.optimizer
         reason = unsupported_reason(optimizer)
         if reason is not None and not self._warned_snapshot:
             self._warned_snapshot = True
             logger.warning(f"ReCycle: a step is undone from a snapshot of the state, not in place: {reason}")
-        used = (
-            {}
-            if reason
-            else {p: p.grad.detach().clone() for p in params if p.grad is not None and id(p) in counted_ids}
-        )
-        self.inflight = undo_before_step(optimizer, used, params)
+        counted_ids = {id(p) for p in counted}
+        used = {p: g for p, g in grads.items() if g is not None and id(p) in counted_ids}
+        return undo_before_step(optimizer, used, params)
 
     def receive_loss(self) -> torch.Tensor:
         loss = torch.zeros(2, dtype=torch.float32, device=self.engine.device)
@@ -288,20 +276,12 @@ class StageStepper:
         engine = self.engine
         params = [p for p in engine.module.parameters() if p.requires_grad]
         followed = [t.param for t in self.tied if t.owner_stage != self.stage]
-        if pending.undo is not None:
-            pending.undo.undo()
-        else:
-            saved_params, saved_optimizer = pending.snapshot
-            with torch.no_grad():
-                for p, saved in zip(params, saved_params, strict=True):
-                    p.copy_(saved)
-            engine.optimizer.load_state_dict(saved_optimizer)
+        pending.undo.undo()
         for p, grad in zip(params, pending.reduced_grads, strict=True):
             p.grad = None if grad is None else grad.mul_(coef)
-        counted_ids = {id(p) for p in params} - {id(p) for p in followed}
         if self.keep_undo:
-            used = {p: p.grad for p in params if p.grad is not None and id(p) in counted_ids}
-            self.inflight = undo_before_step(engine.optimizer, used, params)
+            counted = [p for p in params if not any(p is f for f in followed)]
+            self.inflight = self._undo_record(params, counted, {p: p.grad for p in params})
         self._optimizer_step(params, followed)
 
     def _clip_coef(self, total_sq_norm: float) -> float:
