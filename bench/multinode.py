@@ -54,13 +54,17 @@ class Node:
         )
         self.lines: list[str] = []
         self.pids: list[int] = []
+        self.log = run / f"agent{node}.{incarnation}.log"
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip())
-            if " pid " in line and line.endswith("started\n"):
-                self.pids.append(int(line.split(" pid ")[1].split()[0]))
+        with open(self.log, "a") as log:
+            for line in self.proc.stdout:
+                self.lines.append(line.rstrip())
+                log.write(line)
+                log.flush()
+                if " pid " in line and line.endswith("started\n"):
+                    self.pids.append(int(line.split(" pid ")[1].split()[0]))
 
     def signal(self, sig: int, ranks_too: bool) -> None:
         os.killpg(self.proc.pid, sig)
@@ -125,17 +129,23 @@ def run_job(run: Path, steps: int, lease: float, faults: bool) -> dict:
     return {"records": records(run), "events": events, "codes": codes}
 
 
-def phases(result: dict) -> list[tuple[str, list[dict], dict | None]]:
-    """(name, iteration records, the change that started it) per epoch."""
-    out, current, change, names = [], [], None, iter(["fault-free", "node 3 SIGKILLed", "node 3 re-admitted",
-                                                      "node 2 frozen", "node 2 re-admitted", "later"])  # fmt: skip
+def phases(result: dict) -> list[tuple[str, list[dict], dict | None, str | None]]:
+    """(name, iteration records, the change that started it, the signal behind it) per epoch; the
+    n-th change with a failure follows the n-th signal sent."""
+    signals = iter([event for event in ("sigkill", "freeze") if event in result["events"]])
+    out, current, change, name, cause = [], [], None, "fault-free", None
     for record in result["records"]:
-        if record["kind"] == "change":
-            out.append((next(names), current, change))
-            current, change = [], record
-        else:
+        if record["kind"] != "change":
             current.append(record)
-    out.append((next(names), current, change))
+            continue
+        out.append((name, current, change, cause))
+        current, change = [], record
+        if record["failed"]:
+            cause = next(signals, None)
+            name = f"failed {record['failed']}"
+        else:
+            cause, name = None, f"joined {record['joined']}"
+    out.append((name, current, change, cause))
     return out
 
 
@@ -144,9 +154,9 @@ def report(fault_free: dict, faulty: dict, run_dir: Path) -> None:
 
     base = statistics.median(r["seconds"] for r in fault_free["records"] if r["kind"] == "iteration")
     print(f"4 agents x 2 ranks, P=2 D=4 pipeline-major, m=4, F=B=W=25 ms emulated; fault-free median {base:.3f} s")
-    print(f"{'phase':20s} {'iters':>5s} {'median s':>9s} {'pred s':>7s} {'meas/pred':>9s} {'vs ff':>6s} "
+    print(f"{'phase':30s} {'iters':>5s} {'median s':>9s} {'pred s':>7s} {'meas/pred':>9s} {'vs ff':>6s} "
           f"{'detect s':>8s} {'to plan s':>9s}  change")  # fmt: skip
-    for name, iters, change in phases(faulty):
+    for name, iters, change, cause in phases(faulty):
         seconds = [r["seconds"] for r in iters[1:]]  # the first iteration of an epoch carries the switch
         if not seconds:
             continue
@@ -155,13 +165,14 @@ def report(fault_free: dict, faulty: dict, run_dir: Path) -> None:
         pred = predicted.get("predicted_iteration_time")
         pred_s = None if pred is None else pred / 1000
         detect = to_plan = None
-        signal_time = faulty["events"].get({"node 3 SIGKILLed": "sigkill", "node 2 frozen": "freeze"}.get(name, ""))
+        signal_time = faulty["events"].get(cause) if cause else None
+        name = f"{name} ({cause})" if cause else name
         if change is not None and signal_time is not None:
             published = change["time"] - (change["recovery_seconds"] or 0)
             detect, to_plan = published - signal_time, change["time"] - signal_time
-        joined = "" if change is None else f"failed {change['failed']} joined {change['joined']}"
+        joined = "" if change is None else f"epoch {change['epoch']} from iteration {change['iteration']}"
         print(
-            f"{name:20s} {len(iters):5d} {median:9.3f} {pred_s if pred_s is None else round(pred_s, 3)!s:>7s} "
+            f"{name:30s} {len(iters):5d} {median:9.3f} {pred_s if pred_s is None else round(pred_s, 3)!s:>7s} "
             f"{'-' if pred_s is None else f'{median / pred_s:.3f}':>9s} {base / median:6.3f} "
             f"{'-' if detect is None else f'{detect:.2f}':>8s} "
             f"{'-' if to_plan is None else f'{to_plan:.2f}':>9s}  {joined}"
@@ -180,9 +191,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=90)
     parser.add_argument("--node-lease", type=float, default=2.0)
     parser.add_argument("--smoke", action="store_true", help="a short fault-free run only (for the test suite)")
+    parser.add_argument("--keep", type=Path, default=None, help="run in this (new) directory and keep it")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench_multinode_") as tmp:
-        run_dir = Path(tmp)
+        run_dir = args.keep or Path(tmp)
         fault_free = run_job(run_dir / "fault_free", 6 if args.smoke else args.steps, args.node_lease, faults=False)
         if args.smoke:
             assert fault_free["codes"] == [0] * NODES, fault_free["codes"]

@@ -56,6 +56,8 @@ STORE_OP_SECONDS = 30.0
 TICK_SECONDS = 0.005
 """How often requests are polled; an observed exit wakes the coordinator at once."""
 HEARTBEAT_CHECK_SECONDS = 0.05
+JOIN_BATCH_SECONDS = 30.0
+"""How long a node's first join waits for the node's other slots to ask too."""
 GAP_WINDOW = 100
 """Heartbeat gaps remembered per member (about 10 s of beats at 0.1 s)."""
 MISSING_REQUEST_SECONDS = 5.0
@@ -162,6 +164,9 @@ class Coordinator:
         """(node, node incarnation) pairs whose lease lapsed: their reports are refused."""
         self._next_report = 1
         self._last_lease_check = 0.0
+        self._probed: set[tuple[int, int]] = set()
+        self._held_joins: dict[int, dict[int, tuple[Request, float]]] = {}
+        """Per node, the joins waiting for the node's other slots (see _hold_join)."""
         self._last_beat: dict[int, float] = {}
         self._gaps: dict[int, collections.deque[float]] = {}
         self.token = token
@@ -256,6 +261,8 @@ class Coordinator:
             if time.monotonic() - self._last_lease_check >= HEARTBEAT_CHECK_SECONDS:
                 self._last_lease_check = time.monotonic()
                 self._check_leases()
+                for node in list(self._held_joins):
+                    self._release_joins(node)
         self._drain_exits()
         self._poll_requests()
         if self.policy.enabled and time.monotonic() - self._last_heartbeat_check >= HEARTBEAT_CHECK_SECONDS:
@@ -329,8 +336,35 @@ class Coordinator:
         if request.kind == proto.PROBE:
             self._answer_probe(request)
             return
+        if request.kind == proto.JOIN and self.nodes.count > 1:
+            self._hold_join(request)
+            return
         self._append(request.kind, request.slot, request.time, f"pid {request.pid}")
         self._log(f"accepted {request.kind} of slot {request.slot} (pid {request.pid})")
+
+    def _hold_join(self, request: Request) -> None:
+        """With several nodes, a node's joins are taken together: a re-admitted node's slots then
+        enter in one decision (one rebuild for the survivors), not one each."""
+        node = self.nodes.node_of(request.slot)
+        self._held_joins.setdefault(node, {})[request.slot] = (request, time.monotonic())
+        self._release_joins(node)
+
+    def _release_joins(self, node: int, now: float | None = None) -> None:
+        held = self._held_joins.get(node)
+        if not held:
+            return
+        members = proto.read_membership(self._store).members
+        waiting_for = [s for s in self.nodes.slots(node) if s not in members and s not in held]
+        first = min(since for _, since in held.values())
+        if waiting_for and (now or time.monotonic()) - first < JOIN_BATCH_SECONDS:
+            return
+        requests = [request for request, _ in held.values()]
+        del self._held_joins[node]
+        self._append_all([(proto.JOIN, r.slot, r.time, f"pid {r.pid}") for r in requests])
+        for r in requests:
+            self._log(f"accepted join of slot {r.slot} (pid {r.pid})")
+        if len(requests) > 1:
+            self._log(f"node {node}: joins of slots {sorted(r.slot for r in requests)} accepted in one change")
 
     def _refusal(self, request: Request) -> str:
         """Why ``request`` is refused, or "" if it is valid."""
@@ -355,7 +389,9 @@ class Coordinator:
             # Even when its failure or leave is pending: the joiner would see its slot in the current
             # epoch and take the epoch of its predecessor for its own. It joins once that is decided.
             return "still a member of the current epoch (post the join once an epoch without it is decided)"
-        if last is not None and last.kind == proto.JOIN:
+        if (last is not None and last.kind == proto.JOIN) or request.slot in self._held_joins.get(
+            self.nodes.node_of(request.slot), {}
+        ):
             return "a join of this slot is already pending"
         return ""
 
@@ -455,7 +491,10 @@ class Coordinator:
             quiet = self._check_leases(older_than=max(0.3, 3 * renew_seconds(self.nodes.lease_seconds)))
             ended += [slot for node in quiet for slot in self.nodes.slots(node)]
         found = f"published failure of ended members {ended}" if ended else "every member's process is running"
-        self._log(f"probe from slot {request.slot} (pid {request.pid}) in epoch {membership.epoch}: {found}")
+        first = (request.slot, membership.epoch) not in self._probed
+        self._probed.add((request.slot, membership.epoch))
+        if ended or first:  # a survivor probes every 0.1 s until a failure is published
+            self._log(f"probe from slot {request.slot} (pid {request.pid}) in epoch {membership.epoch}: {found}")
 
     def _check_heartbeats(self) -> None:
         membership = proto.read_membership(self._store)

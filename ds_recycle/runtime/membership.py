@@ -31,8 +31,9 @@ EXIT_GRACE_SECONDS = 30.0
 """The last heartbeat, written at interpreter exit, is dated this far ahead: tearing down torch and
 gloo can take longer than the hang timeout, and an exiting process is not a hung one."""
 POLL_SECONDS = 0.002
-PROBE_AFTER_SECONDS = 0.2
-"""A survivor whose peer stopped answering asks the coordinator after this long without a failure."""
+PROBE_AFTER_SECONDS = 0.1
+"""A survivor whose peer stopped answering asks the coordinator after this long without a published
+failure, and again every as long until one is published."""
 LEAVE_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -167,7 +168,7 @@ class MembershipAgent:
         return self._take(Decision.from_json(self.store.get(key)))
 
     def _wait_for_failure(self, slots: set[int], detect_timeout: float) -> None:
-        started, probed = time.monotonic(), False
+        started, probes = time.monotonic(), 0
         while not self.failure_among(slots):
             waited = time.monotonic() - started
             if waited > detect_timeout:
@@ -175,10 +176,12 @@ class MembershipAgent:
                     f"a peer stopped answering in epoch {self.current.epoch} but the launcher published no failure "
                     f"within {detect_timeout:.0f} s, and found no ended member when asked"
                 )
-            if not probed and waited > PROBE_AFTER_SECONDS:
+            # Every PROBE_AFTER_SECONDS: a dead node's lease only gets old, so a later probe finds it.
+            if waited > (probes + 1) * PROBE_AFTER_SECONDS:
                 self.request(proto.PROBE)
-                probed = True
-                logger.info(f"ReCycle: slot {self.slot} asked the coordinator which peer stopped answering")
+                probes += 1
+                if probes == 1:
+                    logger.info(f"ReCycle: slot {self.slot} asked the coordinator which peer stopped answering")
             time.sleep(POLL_SECONDS)
 
     def _take(self, decision: Decision) -> Decision:
