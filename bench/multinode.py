@@ -189,7 +189,7 @@ def report(fault_free: dict, faulty: dict, run_dir: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=90)
-    parser.add_argument("--node-lease", type=float, default=2.0)
+    parser.add_argument("--node-lease", type=float, default=5.0)
     parser.add_argument("--smoke", action="store_true", help="a short fault-free run only (for the test suite)")
     parser.add_argument("--keep", type=Path, default=None, help="run in this (new) directory and keep it")
     args = parser.parse_args()

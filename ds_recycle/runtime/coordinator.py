@@ -165,6 +165,7 @@ class Coordinator:
         self._next_report = 1
         self._last_lease_check = 0.0
         self._probed: set[tuple[int, int]] = set()
+        self._leases_read_at = time.time()
         self._held_joins: dict[int, dict[int, tuple[Request, float]]] = {}
         """Per node, the joins waiting for the node's other slots (see _hold_join)."""
         self._last_beat: dict[int, float] = {}
@@ -432,6 +433,13 @@ class Coordinator:
         limit = self.nodes.lease_seconds if older_than is None else older_than
         failed = []
         now = time.time()
+        # Leases can only be judged while this coordinator kept up with them: after a stall of its
+        # own (or of the store) every lease looks old, yet the agents may have been renewing.
+        stalled = now - self._leases_read_at
+        self._leases_read_at = now
+        if stalled > limit / 2:
+            self._log(f"lease checks were delayed {stalled:.1f} s: judging the nodes' leases again from now on")
+            return failed
         for node in range(1, self.nodes.count):
             key = proto.lease_key(node)
             if not self._store.check([key]):
