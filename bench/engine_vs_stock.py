@@ -49,7 +49,9 @@ def run_engine(name: str, stock: bool, ms: float, steps: int, workdir: Path) -> 
         "--layers", "4", "--d-model", "32", "--seq-len", "16", "--optimizer", "sgd",
         "--dump", str(workdir / name),
     ]  # fmt: skip
-    results = launch(argv, STAGES * PIPELINES, timeout=600, log_dir=workdir / f"{name}-logs")
+    # The stock run is a plain DeepSpeed job: its ranks do not join a coordinator (ReCycle refuses
+    # to run disabled under ds-recycle launch's membership).
+    results = launch(argv, STAGES * PIPELINES, timeout=600, log_dir=workdir / f"{name}-logs", membership=not stock)
     for r in results:
         if not r.ok:
             sys.stderr.write(r.log[-4000:])
@@ -62,7 +64,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ms", type=float, default=40.0, help="emulated duration of each F, B and W")
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--smoke", action="store_true", help="a few short iterations (for the test suite)")
     args = parser.parse_args()
+    if args.smoke:
+        args.ms, args.steps = 5.0, 4
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         stock = run_engine("stock", True, args.ms, args.steps, workdir)

@@ -111,9 +111,11 @@ def main() -> None:
     model = build_gpt_pipeline(cfg, num_stages=args.pipeline_stages, seed=args.seed, topology=topology)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     with open(args.deepspeed_config) as f:
-        micro_batch_size = json.load(f)["train_micro_batch_size_per_gpu"]
+        ds_config = json.load(f)
+    micro_batch_size = ds_config["train_micro_batch_size_per_gpu"]
+    recycle = not args.stock and ds_config.get("recycle", {}).get("enabled", False)
     provider = TokenWindowProvider(tokens, cfg.seq_len, micro_batch_size, args.seed)
-    kwargs = {} if args.stock else {"training_data": provider}
+    kwargs = {"training_data": provider} if recycle else {}
     initialize = deepspeed.initialize if args.stock else ds_recycle.initialize
     engine, _, _, _ = initialize(
         model=model,
@@ -125,7 +127,7 @@ def main() -> None:
     if args.metrics is not None and hasattr(engine, "monitors"):
         engine.monitors.append(JsonLinesMonitor(args.metrics / f"metrics.{rank}.jsonl"))
     data = None  # ReCycle loads micro-batch (h, k) of iteration i from training_data
-    if args.stock:
+    if not recycle:  # DeepSpeed's schedule reads its own pipeline's micro-batches from an iterator
         data = pipeline_iterator(provider, engine.grid.get_data_parallel_id(), engine.gradient_accumulation_steps())
     leader = getattr(engine, "is_lowest_live_rank", lambda: rank == 0)
     losses, times = {}, []
