@@ -91,6 +91,8 @@ SIGNALS = {"SIGKILL": 6, "SIGSTOP": 2, "SIGTERM": 2}
 PAIR_PROBABILITY = 0.25
 TRAP_PROBABILITY = 0.7
 RECOVERY_PROBABILITY = 0.5
+TREE_PROBABILITY = 0.5
+"""The share of faults whose signal goes to the rank's whole process group, as Slurm sends it."""
 """Of a pair that is killed or hung at traps: the second is parked at the survivors' recovery."""
 POINTS = ("F", "B", "W", "allreduce", "stepped")
 WARMUP = 2
@@ -119,6 +121,8 @@ class Fault:
     """``trap`` (``points``, one per worker) or ``clock`` (``fraction`` of an iteration after a boundary)."""
     points: list[str] = field(default_factory=list)
     fraction: float = 0.0
+    tree: bool = False
+    """The signal goes to the rank's whole process group (each rank leads a session of its own)."""
     iteration: int = -1
     """Filled by the run: the iteration the fault was aimed at."""
     in_flight: int = -1
@@ -133,9 +137,10 @@ class Fault:
         return " ".join(f"({p},{s})" for p, s in self.workers)
 
     def describe_moment(self) -> str:
+        to = " (process group)" if self.tree else ""
         if self.moment == "trap":
-            return "trap " + ",".join(self.points)
-        return f"+{self.fraction:.2f} iteration"
+            return "trap " + ",".join(self.points) + to
+        return f"+{self.fraction:.2f} iteration{to}"
 
 
 @dataclass
@@ -211,6 +216,7 @@ def make_schedule(seed: int, faults: int, jobs: int) -> list[Fault]:
                     fault.points[1] = "recovery"
             else:
                 fault.fraction = rng.random()
+            fault.tree = rng.random() < TREE_PROBABILITY
             schedule.append(fault)
     return schedule
 
@@ -237,7 +243,10 @@ def send(job: Job, fault: Fault, s: int) -> None:
     if not fault.signalled:
         fault.in_flight = min(progress(job))
     fault.signalled.append(time.time())
-    os.kill(job.pids[s], getattr(signal, fault.signal))
+    if fault.tree:
+        os.killpg(job.pids[s], getattr(signal, fault.signal))
+    else:
+        os.kill(job.pids[s], getattr(signal, fault.signal))
 
 
 def inject(job: Job, fault: Fault) -> None:
