@@ -168,7 +168,7 @@ class Coordinator:
         self._leases_read_at = time.time()
         self._held_joins: dict[int, dict[int, tuple[Request, float]]] = {}
         """Per node, the joins waiting for the node's other slots (see _hold_join)."""
-        self._last_beat: dict[int, float] = {}
+        self._last_beat: dict[int, tuple[int, float]] = {}
         self._gaps: dict[int, collections.deque[float]] = {}
         self.token = token
         self.policy = policy or HeartbeatPolicy()
@@ -527,7 +527,7 @@ class Coordinator:
             beat = _seconds(value)
             if beat is not None and beat >= incarnation.started:
                 self._job_heartbeats = True
-                self._note_beat(slot, beat)
+                self._note_beat(slot, incarnation.number, beat)
                 age = now - beat
                 if age > timeout:
                     self._declare_hung(
@@ -538,12 +538,15 @@ class Coordinator:
                     slot, incarnation.number, f"no heartbeat {now - incarnation.started:.1f} s after start"
                 )
 
-    def _note_beat(self, slot: int, beat: float) -> None:
-        """Keep the last GAP_WINDOW gaps between a member's consecutive heartbeats."""
+    def _note_beat(self, slot: int, incarnation: int, beat: float) -> None:
+        """Keep the last GAP_WINDOW gaps between consecutive heartbeats of a member's current
+        process (the gap from a dead process's last beat to its respawn's first is no jitter)."""
         last = self._last_beat.get(slot)
-        if last is not None and beat > last:
-            self._gaps.setdefault(slot, collections.deque(maxlen=GAP_WINDOW)).append(beat - last)
-        self._last_beat[slot] = beat
+        if last is None or last[0] != incarnation:
+            self._gaps.pop(slot, None)
+        elif beat > last[1]:
+            self._gaps.setdefault(slot, collections.deque(maxlen=GAP_WINDOW)).append(beat - last[1])
+        self._last_beat[slot] = (incarnation, beat)
 
     def _declare_hung(self, slot: int, incarnation: int, detail: str) -> None:
         self._append(proto.FAILED, slot, time.time(), detail, alert=True)
