@@ -23,6 +23,10 @@ MODES = ("sweep", "trace", "poisson")
 SYSTEM_NAMES = ("recycle", "oobleck", "bamboo", "checkpoint")
 PLACEMENT_NAMES = ("spread", "stage", "pipeline")
 PRESET_NAMES = ("350M", "1.3B", "2.7B", "6.7B", "13B", "39B", "175B")
+REBALANCE_NAMES = ("off", "migrate", "repartition")
+DEFAULT_REBALANCE = "migrate"
+"""What the study recommends (docs/simulator.md, "Rebalancing"): migration closes the gap on every
+shipped trace; re-partitioning adds a few percent at several times the planning work."""
 
 
 # Limits: keep every accepted run bounded (minutes at most on a laptop); docs/simulator.md.
@@ -133,6 +137,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--recycle-rebuild", type=float_in(0, 1e5), default=10.0, metavar="S", help="ReCycle group rebuild (10)"
     )
     parser.add_argument(
+        "--rebalance",
+        choices=REBALANCE_NAMES,
+        default=DEFAULT_REBALANCE,
+        help=f"ReCycle re-shapes its grid when failures unbalance it ({DEFAULT_REBALANCE})",
+    )
+    parser.add_argument(
         "--oobleck-remove", type=float_in(0, 1e5), default=57.0, metavar="S", help="Oobleck downtime per removal (57)"
     )
     parser.add_argument(
@@ -194,6 +204,7 @@ def _study(args: argparse.Namespace):
     from ds_recycle.sim.job import LLAMA3_RATE_PER_GPU_DAY, Checkpointing, Job
     from ds_recycle.sim.oobleck import OobleckParams
     from ds_recycle.sim.presets import get_model
+    from ds_recycle.sim.rebalance import RebalanceParams
     from ds_recycle.sim.recycle import RecycleParams
     from ds_recycle.sim.traces import TraceError, find_trace, read_trace
 
@@ -213,7 +224,9 @@ def _study(args: argparse.Namespace):
         )
     checkpointing = Checkpointing(args.checkpoint_cost, args.restart, interval)
     params = ex.SystemParams(
-        recycle=RecycleParams(detect_s=args.recycle_detect, rebuild_s=args.recycle_rebuild),
+        recycle=RecycleParams(
+            detect_s=args.recycle_detect, rebuild_s=args.recycle_rebuild, rebalance=RebalanceParams(args.rebalance)
+        ),
         oobleck=OobleckParams(f=args.oobleck_f, remove_downtime_s=args.oobleck_remove, add_downtime_s=args.oobleck_add),
         bamboo=BambooParams(depth_factor=args.bamboo_depth, reconfigure_s=args.bamboo_reconfigure),
         checkpoint=CheckpointParams(args.checkpoint_policy),

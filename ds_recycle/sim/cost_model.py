@@ -15,6 +15,7 @@ all-reduce of the stage's parameters over its ``D`` data-parallel peers plus an 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ds_recycle.planner.plan import CostModel
@@ -93,6 +94,10 @@ class StageCosts:
     """Parameter + gradient + optimizer bytes per GPU on the largest stage (what a re-join copies)."""
     layers: tuple[int, ...]
     """Decoder layers per stage."""
+    stage_state_bytes: tuple[float, ...] = ()
+    """Parameter + gradient + optimizer bytes per GPU of each stage (what a worker joining it copies)."""
+    layer_state_bytes: float = 0.0
+    """The same for one decoder layer (what a worker taking a layer from another stage copies)."""
 
 
 def split_layers(layers: int, stages: int) -> tuple[int, ...]:
@@ -101,6 +106,14 @@ def split_layers(layers: int, stages: int) -> tuple[int, ...]:
         raise ValueError(f"cannot split {layers} layers over {stages} stages")
     base, extra = divmod(layers, stages)
     return tuple(base + (1 if s < extra else 0) for s in range(stages))
+
+
+def check_split(layers: Sequence[int], total: int, stages: int) -> tuple[int, ...]:
+    """``layers`` as a tuple when it gives each of ``stages`` stages at least one layer and ``total`` in all."""
+    split = tuple(int(n) for n in layers)
+    if len(split) != stages or sum(split) != total or min(split) < 1:
+        raise ValueError(f"layer split {split} must give each of {stages} stages >= 1 layer, {total} in all")
+    return split
 
 
 def head_layer_ratio(model: ModelSpec) -> float:
@@ -115,6 +128,7 @@ def stage_costs(
     hw: HardwareSpec = HardwareSpec(),
     redundancy: float = 1.0,
     embeddings: bool = True,
+    layers: Sequence[int] | None = None,
 ) -> StageCosts:
     """``model`` split over ``stages`` stages with ``pipelines`` data-parallel peers per stage.
 
@@ -124,9 +138,10 @@ def stage_costs(
     and holds fp32 logits per micro-batch, and the first and last stages hold the (tied) embedding.
     Memory per GPU: ``redundancy`` x parameter state (``state_bytes_per_param`` per parameter;
     Bamboo holds its successor's layers too: 2) plus ``cap`` micro-batches of activations (the
-    larger of "after F" and "held between B and W" with a decoupled backward).
+    larger of "after F" and "held between B and W" with a decoupled backward). ``layers`` gives
+    the decoder layers of each stage (a re-partitioned grid); None: :func:`split_layers`.
     """
-    layers = split_layers(model.layers, stages)
+    layers = split_layers(model.layers, stages) if layers is None else check_split(layers, model.layers, stages)
     speed = 1.0 if model.tp == 1 else model.tp * hw.tp_efficiency
     head = head_layer_ratio(model) if embeddings else 0.0
     last = stages - 1
@@ -163,4 +178,6 @@ def stage_costs(
         fused_memory_cap=min(fused_caps),
         state_bytes=max(params_gpu) * hw.state_bytes_per_param,
         layers=layers,
+        stage_state_bytes=tuple(p * hw.state_bytes_per_param for p in params_gpu),
+        layer_state_bytes=model.params_per_layer / model.tp * hw.state_bytes_per_param,
     )

@@ -187,6 +187,7 @@ def sweep(
     total = {name: _mean_run(name, [row.runs[name] for row in rows]) for name in systems}
     config = {
         **job_config(job),
+        "recycle_rebalance": params.recycle.rebalance.mode,
         "placement": placement,
         "window_s": window_s,
         "failures": counts,
@@ -241,6 +242,7 @@ def trace_replay(
     }
     config = {
         **job_config(job),
+        "recycle_rebalance": params.recycle.rebalance.mode,
         "trace": trace.name,
         "duration_s": trace.duration,
         "peak_nodes": trace.peak,
@@ -322,6 +324,7 @@ def poisson(
         series.append(entry)
     config = {
         **job_config(job),
+        "recycle_rebalance": params.recycle.rebalance.mode,
         "rate_multiple": rate_multiple,
         "rate_per_gpu_day": rate_multiple * LLAMA3_RATE_PER_GPU_DAY,
         "hours": hours,

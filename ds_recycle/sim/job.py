@@ -93,6 +93,12 @@ class Job:
     def costs_for(self, stages: int, pipelines: int, redundancy: float = 1.0) -> StageCosts:
         return _stage_costs_cached(self.model, stages, pipelines, self.hw, redundancy)
 
+    def layout_for(self, layers: tuple[int, ...]) -> StageCosts:
+        """The grid's layout with ``layers`` decoder layers per stage (a re-partitioned grid)."""
+        if layers == self.layout.layers:
+            return self.layout
+        return _stage_costs_cached(self.model, self.stages, self.pipelines, self.hw, 1.0, layers)
+
     @cached_property
     def failure_rate_per_hour(self) -> float:
         if self.failures_per_hour is not None:
@@ -160,10 +166,17 @@ def split_batch(total: int, parts: int) -> list[int]:
 _COSTS: dict = {}
 
 
-def _stage_costs_cached(model: ModelSpec, stages: int, pipelines: int, hw: Hardware, redundancy: float) -> StageCosts:
-    key = (model, stages, pipelines, hw, redundancy)
+def _stage_costs_cached(
+    model: ModelSpec,
+    stages: int,
+    pipelines: int,
+    hw: Hardware,
+    redundancy: float,
+    layers: tuple[int, ...] | None = None,
+) -> StageCosts:
+    key = (model, stages, pipelines, hw, redundancy, layers)
     value = _COSTS.get(key)
     if value is None:
-        value = stage_costs(model, stages, pipelines, hw, redundancy)
+        value = stage_costs(model, stages, pipelines, hw, redundancy, layers=layers)
         _COSTS[key] = value
     return value

@@ -14,7 +14,7 @@ def text_report(study: Study) -> str:
     lines.append(
         f"  {cfg['gpus']} GPUs (tp={cfg['tp']}), global batch {cfg['global_batch']} sequences, "
         f"checkpoint every {cfg['checkpoint_interval_s']:.0f} s (cost {cfg['checkpoint_cost_s']:g} s, "
-        f"restart {cfg['restart_s']:g} s)"
+        f"restart {cfg['restart_s']:g} s); ReCycle rebalancing: {cfg.get('recycle_rebalance', 'off')}"
     )
     names = list(study.runs)
     if study.rows:
