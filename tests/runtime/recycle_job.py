@@ -1,0 +1,372 @@
+"""Run a ReCycle job under ``ds-recycle launch`` and act on it from outside, as an operator would.
+
+:class:`Job` starts the launcher as a subprocess, reads its event lines (``rank R pid P started``),
+watches each slot's progress file, and sends real signals to the ranks' PIDs. Every wait is
+bounded; on any error the launcher's process group is killed, by PID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+WORKER = Path(__file__).with_name("membership_worker.py")
+STARTED = re.compile(r"rank (\d+) pid (\d+) started")
+
+
+def ds_config(micro_batches: int, clip: float, recycle: dict | None = None) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": micro_batches,
+        "steps_per_print": 10**9,
+        "gradient_clipping": clip,
+        "recycle": {"enabled": True, **(recycle or {})},
+    }
+
+
+@dataclass
+class Job:
+    tmp: Path
+    pp: int
+    dp: int
+    steps: int
+    config: dict
+    optimizer: str = "adam"
+    respawn: bool = True
+    timeout: float = 240.0
+    traps: list[str] = field(default_factory=list)
+    """``SLOT:POINT:ITERATION``: where a rank parks for the test's signal (membership_worker.arm)."""
+    launcher_args: list[str] = field(default_factory=list)
+    worker: Path = WORKER
+    """The rank script; it takes --pp --steps --optimizer --config --out [--trap ...] [--data ...] [--helpers]."""
+    data: str = "provider"
+    """``training_data``: ``provider`` or ``dataset`` (map-style)."""
+    helpers: bool = False
+    """Each rank starts helper processes (DataLoader workers, a forked process) as scripts do."""
+    argv: list[str] | None = None
+    """Another rank script and its arguments (it writes ``out/progress<slot>`` and honours ``out/hold``)."""
+    env: dict[str, str] = field(default_factory=dict)
+    lines: list[str] = field(default_factory=list)
+    pids: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.out = self.tmp / "out"
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.tmp / "ds_config.json").write_text(json.dumps(self.config))
+
+    def start(self) -> Job:
+        launcher = [sys.executable, "-m", "ds_recycle.cli", "launch", "--nproc", str(self.pp * self.dp)]
+        if self.respawn:
+            launcher += ["--respawn", "--respawn-delay", "0.2"]
+        launcher += ["--timeout", str(self.timeout), "--log-dir", str(self.tmp / "logs"), *self.launcher_args]
+        script = self.argv or [
+            str(self.worker),
+            *("--pp", str(self.pp), "--steps", str(self.steps), "--optimizer", self.optimizer),
+            *("--config", str(self.tmp / "ds_config.json"), "--out", str(self.out), "--data", self.data),
+            *(arg for trap in self.traps for arg in ("--trap", trap)),
+            *(["--helpers"] if self.helpers else []),
+        ]
+        env = {**os.environ, "DS_ACCELERATOR": "cpu", **self.env}
+        self.proc = subprocess.Popen(
+            launcher + script,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        return self
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip())
+            match = STARTED.search(line)
+            if match:
+                self.pids[int(match.group(1))] = int(match.group(2))
+
+    def progress(self, slot: int) -> int:
+        path = self.out / f"progress{slot}"
+        return int(path.read_text() or 0) if path.exists() else 0
+
+    def wait_until(self, condition, what: str, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if condition():
+                return
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the job ended while waiting for {what}:\n" + self.log_tail())
+            time.sleep(0.02)
+        self.kill()
+        raise AssertionError(f"timed out waiting for {what}:\n" + self.log_tail())
+
+    def signal_at(self, slots: list[int], iteration: int, sig: int = signal.SIGTERM, watch: int | None = None) -> None:
+        """Send ``sig`` to ``slots`` once slot ``watch`` (default: the first of them) has finished ``iteration``."""
+        watch = slots[0] if watch is None else watch
+        self.wait_until(lambda: self.progress(watch) >= iteration, f"slot {watch} at iteration {iteration}")
+        pids = {slot: self.pids[slot] for slot in slots}
+        for pid in pids.values():
+            os.kill(pid, sig)
+
+    def signal_tree_at(self, slots: list[int], iteration: int, sig: int = signal.SIGTERM) -> list[int]:
+        """As a cluster delivers a preemption notice: ``sig`` to every process of each rank's tree
+        (its process group: the launcher starts each rank in a session of its own) once the first
+        of ``slots`` has finished ``iteration``. Returns the PIDs the signal reached."""
+        self.wait_until(lambda: self.progress(slots[0]) >= iteration, f"slot {slots[0]} at iteration {iteration}")
+        reached = []
+        for slot in slots:
+            pid = self.pids[slot]
+            reached += [p for p in _pids() if _pgid(p) == pid]
+            os.killpg(pid, sig)
+        return reached
+
+    def signal_when_trapped(self, slot: int, sig: int = signal.SIGKILL) -> None:
+        """Wait until ``slot`` parks at its trap, then send it ``sig``."""
+        self.wait_until(lambda: (self.out / f"trapped{slot}").exists(), f"slot {slot} to reach its trap")
+        os.kill(self.pids[slot], sig)
+
+    def hold(self, iteration: int | None) -> None:
+        """Make every rank wait at the boundary once it has finished ``iteration`` iterations (None: go on)."""
+        path = self.out / "hold"
+        if iteration is None:
+            path.unlink(missing_ok=True)
+            return
+        partial = self.out / "hold.partial"
+        partial.write_text(str(iteration))
+        os.replace(partial, path)
+
+    def count(self, pattern: str) -> int:
+        regex = re.compile(pattern)
+        return sum(bool(regex.search(x)) for x in list(self.lines))
+
+    def count_in_rank_logs(self, pattern: str) -> int:
+        regex = re.compile(pattern)
+        return sum(
+            bool(regex.search(line))
+            for path in (self.tmp / "logs").glob("*.log")
+            for line in path.read_text(errors="replace").splitlines()
+        )
+
+    def wait_for_line(self, pattern: str, count: int = 1, timeout: float = 120.0) -> None:
+        self.wait_until(lambda: self.count(pattern) >= count, pattern, timeout)
+
+    def finish(self) -> int:
+        try:
+            code = self.proc.wait(timeout=self.timeout + 30)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError("the launcher did not end:\n" + self.log_tail()) from None
+        self._reader.join(timeout=5)
+        return code
+
+    def kill(self) -> None:
+        """Kill the launcher, then every rank it started: each rank has a session of its own, so
+        the launcher's process group does not hold them. A PID is killed only while its command
+        line still names this job's directory (it is ours, not a recycled PID)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        for line in list(self.lines):
+            match = STARTED.search(line)
+            if match is None:
+                continue
+            pid = int(match.group(2))
+            try:
+                if str(self.out) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                    os.kill(pid, signal.SIGKILL)
+            except (FileNotFoundError, ProcessLookupError, PermissionError):
+                pass
+
+    def log_tail(self, chars: int = 8000) -> str:
+        logs = "\n".join(self.lines[-60:])
+        for path in sorted((self.tmp / "logs").glob("*.log")):
+            logs += f"\n--- {path.name} ---\n" + path.read_text()[-2000:]
+        return logs[-chars:]
+
+    def records(self) -> list[dict]:
+        """The final records of the processes that ended by themselves (finished or left)."""
+        return [torch.load(p, weights_only=False) for p in sorted(self.out.glob("[0-9]*.pt"))]
+
+    def killed(self) -> dict[tuple[int, int], dict]:
+        """What the processes that left no final record (killed) saved after their last iteration,
+        by (slot, incarnation)."""
+        ended = {path.name for path in self.out.glob("[0-9]*.pt")}
+        saved = {}
+        for path in self.out.glob("ledger*.pt"):
+            slot, incarnation = path.name[len("ledger") : -len(".pt")].split(".")
+            if f"{slot}.{incarnation}.pt" not in ended:
+                saved[int(slot), int(incarnation)] = torch.load(path, weights_only=False)
+        return saved
+
+
+def _pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+def final_states(records: list[dict]) -> dict[int, dict]:
+    """The state of every slot that finished the job, by slot."""
+    return {r["slot"]: r for r in records if r.get("finished")}
+
+
+# ---- one job shape for the membership and failure tests ------------------------------------------
+
+M = 4
+CLIP = 0.5
+EMULATION = {"emulate_timing": {"F": 8, "B": 8, "W": 8}}
+RTOL, ATOL = 1e-6, 1e-7
+DEGRADED_ITERATIONS = 4
+"""Iterations the survivors run on the adapted plan before the test lets a respawned rank re-join."""
+
+_fault_free: dict[tuple, dict[int, dict]] = {}
+
+
+def slot(dp: int, pipeline: int, stage: int) -> int:
+    """The rank of worker (pipeline, stage): DeepSpeed's pipe-data topology is stage-major."""
+    return stage * dp + pipeline
+
+
+def job_config() -> dict:
+    return ds_config(M, CLIP, EMULATION)
+
+
+def fault_free(
+    tmp_path_factory, pp: int, dp: int, steps: int, optimizer: str, data: str = "provider"
+) -> dict[int, dict]:
+    """The final state of every slot in a fault-free run of the job (run once per test session)."""
+    key = (pp, dp, steps, optimizer, data)
+    if key not in _fault_free:
+        tmp = tmp_path_factory.mktemp(f"fault_free_pp{pp}dp{dp}_{optimizer}_{data}")
+        _fault_free[key] = run_fault_free(tmp, pp, dp, steps, optimizer, data=data)
+    return _fault_free[key]
+
+
+def run_fault_free(
+    tmp: Path,
+    pp: int,
+    dp: int,
+    steps: int,
+    optimizer: str,
+    worker: Path = WORKER,
+    timeout: float = 240.0,
+    data: str = "provider",
+) -> dict[int, dict]:
+    """Run the job without a failure in ``tmp``; the final state of every slot."""
+    job = Job(tmp, pp, dp, steps, job_config(), optimizer, respawn=False, timeout=timeout, worker=worker, data=data)
+    code = job.start().finish()
+    assert code == 0, job.log_tail()
+    return final_states(job.records())
+
+
+def hold_degraded(job: Job, iteration: int) -> None:
+    """Right after a fault at ``iteration``: the survivors run a few iterations on the adapted plan,
+    then wait at a boundary. Set before anything slow (a leaver's exit, a respawn) so that a loaded
+    machine cannot let them run to the end of the job before the re-join."""
+    job.hold(iteration + DEGRADED_ITERATIONS)
+
+
+def rejoin(job: Job, slots: list[int], iteration: int, joins: dict[int, int]) -> None:
+    """After :func:`hold_degraded` at ``iteration``: wait until the respawns of ``slots`` are
+    accepted (``joins``: accepted joins per slot before), then let everyone train."""
+    for s in slots:
+        job.wait_for_line(rf"accepted join of slot {s} ", joins[s] + 1, timeout=180)
+    job.hold(None)
+    for s in slots:
+        job.wait_until(lambda s=s: job.progress(s) > iteration + 1, f"slot {s} to train again after re-joining")
+
+
+def assert_same_as_fault_free(job: Job, reference: dict[int, dict], steps: int) -> None:
+    """Every parameter and optimizer state of every finishing slot, and every loss any process
+    reported, equal the fault-free run; the F ledger of all processes, killed ones included, shows
+    every micro-batch of every iteration exactly once per stage."""
+    records = assert_final_states(job, reference, steps)
+    finished = final_states(records)
+    ledgers = [record["ledger"] for record in records]
+    ledgers += killed_ledgers(job.killed(), [c for r in finished.values() for c in r["changes"]], job.dp)
+    assert_ledger_exact(ledgers, job.pp, job.dp, M, steps)
+
+
+def worst_parameter_difference(finished: dict[int, dict], reference: dict[int, dict]) -> float:
+    """Largest |parameter - fault-free parameter| over the finishing slots the reference has."""
+    return max(
+        (record["params"][name] - value).abs().max().item()
+        for s, record in finished.items()
+        if s in reference
+        for name, value in reference[s]["params"].items()
+    )
+
+
+def assert_final_states(
+    job: Job, reference: dict[int, dict], steps: int, rtol: float = RTOL, atol: float = ATOL
+) -> list[dict]:
+    """Every parameter and optimizer state of every finishing slot, and every loss any process
+    reported, equal the fault-free run (``rtol``, ``atol``); returns the records."""
+    records = job.records()
+    finished = final_states(records)
+    assert sorted(finished) == sorted(reference), f"finished slots {sorted(finished)}"
+    worst = worst_parameter_difference(finished, reference)
+    print(f"max |parameter - fault-free parameter| over {len(finished)} workers: {worst:.3g}")
+    reference_losses = next(iter(reference.values()))["losses"]
+    for s, record in finished.items():
+        want = reference[s]
+        assert record["global_steps"] == steps
+        for name, value in want["params"].items():
+            torch.testing.assert_close(record["params"][name], value, rtol=rtol, atol=atol, msg=f"slot {s} {name}")
+        for index, state in want["optimizer"]["state"].items():
+            for key, value in state.items():
+                got = record["optimizer"]["state"][index][key]
+                torch.testing.assert_close(got, value, rtol=rtol, atol=atol, msg=f"slot {s} optimizer {index}.{key}")
+    for record in records:
+        for iteration, loss in record["losses"].items():
+            want = reference_losses[iteration]
+            assert loss == pytest.approx(want, rel=rtol), f"slot {record['slot']} it {iteration}"
+    return records
+
+
+def killed_ledgers(killed: dict[tuple[int, int], dict], changes: list[dict], dp: int) -> list[list]:
+    """The F entries a killed process ran and that counted: the survivors re-ran every iteration
+    from the one their recovery restarted at, so the dead process's entries from there on are void.
+
+    The n-th killed incarnation of a slot is the n-th failure of its worker in the changes."""
+    restarts: dict[tuple, list[int]] = {}
+    for change in sorted({(c["epoch"], c["iteration"], tuple(map(tuple, c["failed"]))) for c in changes}):
+        for worker in change[2]:
+            restarts.setdefault(tuple(worker), []).append(change[1])
+    ledgers = []
+    for (s, incarnation), saved in sorted(killed.items()):
+        worker = (s % dp, s // dp)
+        order = sorted(i for (t, i) in killed if t == s).index(incarnation)
+        restart = restarts[worker][order]
+        ledgers.append([entry for entry in saved["ledger"] if entry[0] < restart])
+    return ledgers
+
+
+def assert_ledger_exact(ledgers: list[list], pp: int, dp: int, m: int, steps: int) -> None:
+    """Every micro-batch of every iteration ran F exactly once per stage, across all processes."""
+    counts: dict[tuple[int, int, int, int], int] = {}
+    for ledger in ledgers:
+        for entry in ledger:
+            counts[tuple(entry)] = counts.get(tuple(entry), 0) + 1
+    expected = {(i, h, k, s) for i in range(steps) for h in range(dp) for k in range(m) for s in range(pp)}
+    missing = sorted(expected - counts.keys())
+    twice = sorted(key for key, n in counts.items() if n != 1)
+    extra = sorted(counts.keys() - expected)
+    assert not missing and not twice and not extra, f"missing {missing[:5]}, repeated {twice[:5]}, extra {extra[:5]}"
