@@ -18,6 +18,7 @@ import json
 import statistics
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -26,19 +27,15 @@ from ds_recycle.planner.fault_free import fault_free_plan
 from ds_recycle.planner.list_scheduler import ScheduleOptions
 from ds_recycle.planner.plan import CostModel
 from ds_recycle.runtime.launcher import launch
+from ds_recycle.testing.tiny import TINY_GPT, ds_config
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES, PIPELINES, MICROBATCHES = 4, 1, 8
+MODEL = replace(TINY_GPT, n_layers=4)
 
 
 def run_engine(name: str, stock: bool, ms: float, steps: int, workdir: Path) -> list[float]:
-    config = {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": MICROBATCHES,
-        "steps_per_print": 10**9,
-        "gradient_clipping": 0.0,
-        "recycle": {"enabled": not stock, "emulate_timing": {"F": ms, "B": ms, "W": ms}},
-    }
+    config = ds_config(MICROBATCHES, 0.0, {"enabled": not stock, "emulate_timing": {"F": ms, "B": ms, "W": ms}})
     config_path = workdir / f"{name}.json"
     config_path.write_text(json.dumps(config))
     argv = [
@@ -46,7 +43,7 @@ def run_engine(name: str, stock: bool, ms: float, steps: int, workdir: Path) -> 
         "--deepspeed_config", str(config_path),
         "--pipeline-stages", str(STAGES),
         "--steps", str(steps),
-        "--layers", "4", "--d-model", "32", "--seq-len", "16", "--optimizer", "sgd",
+        *MODEL.script_args(), "--optimizer", "sgd",
         "--dump", str(workdir / name),
     ]  # fmt: skip
     # The stock run is a plain DeepSpeed job: its ranks do not join a coordinator (ReCycle refuses

@@ -21,7 +21,9 @@ relative to the same engine's fault-free phase; then the ratio re-routing alone 
 An iteration's time is the period of the whole job: the last rank's end of iteration i minus the
 last rank's end of iteration i - 1 (wall clock of one host).
 
-    .venv/bin/python bench/failures.py [--ms 40] [--iterations 12] [--json out.json]
+The ranks run ds_recycle/testing/worker.py with ``--gate --timings``.
+
+    .venv/bin/python bench/failures.py [--ms 40] [--iterations 12] [--json out.json] [--smoke]
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ import os
 import shutil
 import signal
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -40,12 +41,9 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[0] / "tests" / "runtime"))
+from ds_recycle.testing.jobs import Job, slot
+from ds_recycle.testing.tiny import ds_config
 
-from recycle_job import Job, ds_config, slot  # noqa: E402
-
-WORKER = HERE / "failure_worker.py"
 PP, DP, M = 4, 2, 8
 STAGE_1 = [(0, 1)]
 """Worker (pipeline, stage) that leaves in phase 2."""
@@ -98,13 +96,15 @@ class ModeResult:
         return next((r for r in self.rows if sorted(r.failed) == sorted(failed)), None)
 
 
-def run_mode(mode: str, overrides: dict, ms: float, iterations: int, workdir: Path, timeout: float) -> ModeResult:
-    """One launch with the three phases; returns one row per epoch with enough iterations."""
+def run_mode(
+    mode: str, overrides: dict, ms: float, iterations: int, steps: int, workdir: Path, timeout: float
+) -> ModeResult:
+    """One launch of ``steps`` iterations with the three phases; returns one row per epoch with
+    enough iterations."""
     began = time.time()
-    steps = 3 * iterations + 20
-    config = ds_config(M, 0.0, {"emulate_timing": {"F": ms, "B": ms, "W": ms}, **overrides})
+    config = ds_config(M, 0.0, {"enabled": True, "emulate_timing": {"F": ms, "B": ms, "W": ms}, **overrides})
     tmp = workdir / mode.replace(" ", "_")
-    job = Job(tmp, PP, DP, steps, config, "sgd", respawn=True, timeout=timeout, worker=WORKER)
+    job = Job(tmp, PP, DP, steps, config, "sgd", respawn=True, timeout=timeout, worker_args=["--gate", "--timings"])
     for s in range(PP * DP):
         (job.out / f"gate{s}").write_text("")  # respawns wait until the benchmark lets them in
     leaver = [slot(DP, p, s) for p, s in STAGE_1]
@@ -116,14 +116,14 @@ def run_mode(mode: str, overrides: dict, ms: float, iterations: int, workdir: Pa
         at = WARMUP + iterations + 1
         job.wait_until(lambda: job.progress(watch) >= at, f"iteration {at}", timeout=600)
         job.signal_at(leaver, at, signal.SIGTERM, watch=watch)
-        job.wait_for_line(rf"rank {leaver[0]} exited \(code 0\)", timeout=120)
+        job.wait_for_event("exited", timeout=120, slot=leaver[0], code=0)
         switched = job.progress(watch)
         # Phase 2 -> re-join: hold the survivors after `iterations` + 2 more, let the respawn in.
         hold = switched + iterations + 2
         job.hold(hold)
         job.wait_until(lambda: job.progress(watch) >= hold, f"iteration {hold}", timeout=600)
         (job.out / f"gate{leaver[0]}").unlink()
-        job.wait_for_line(rf"accepted join of slot {leaver[0]} ", timeout=300)
+        job.wait_for_event("accepted", timeout=300, kind="join", slot=leaver[0])
         job.hold(None)
         job.wait_until(lambda: job.progress(leaver[0]) > hold, "the re-joined worker to train", timeout=300)
         # Phase 3: two fault-free iterations after the re-join, then stage 0 and stage 3 leave.
@@ -221,15 +221,35 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900.0, help="bound on each launch, seconds")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     parser.add_argument("--keep", type=Path, default=None, help="keep the jobs' files in this directory")
+    parser.add_argument("--smoke", action="store_true", help="ReCycle only, few short iterations (for the test suite)")
     args = parser.parse_args()
+    modes, steps = dict(MODES), 3 * args.iterations + 20
+    if args.smoke:
+        args.ms, args.iterations = 5.0, 3
+        modes, steps = {"ReCycle": MODES["ReCycle"]}, 3 * args.iterations + 40
     load_before = load_average()
     workdir = Path(tempfile.mkdtemp(prefix="ds_recycle_failures_")) if args.keep is None else args.keep
     try:
-        results = [run_mode(mode, o, args.ms, args.iterations, workdir, args.timeout) for mode, o in MODES.items()]
+        results = [
+            run_mode(mode, o, args.ms, args.iterations, steps, workdir, args.timeout) for mode, o in modes.items()
+        ]
     finally:
         if args.keep is None:
             shutil.rmtree(workdir, ignore_errors=True)
     report(results, args, load_before)
+
+
+def compare_modes(recycle: ModeResult, alone: ModeResult) -> None:
+    print("re-routing alone / ReCycle (iteration time; > 1: ReCycle's mechanisms pay off):")
+    for failed in ([], STAGE_1, STAGES_0_AND_3):
+        ours, theirs = recycle.row(failed), alone.row(failed)
+        if ours is None or theirs is None:
+            print(f"  {describe(failed):12} not measured (an epoch had too few iterations)")
+            continue
+        print(
+            f"  {describe(failed):12} measured {theirs.median_ms / ours.median_ms:.3f}, "
+            f"predicted {theirs.predicted_ms / ours.predicted_ms:.3f}"
+        )
 
 
 def report(results: list[ModeResult], args: argparse.Namespace, load_before: str) -> None:
@@ -254,17 +274,8 @@ def report(results: list[ModeResult], args: argparse.Namespace, load_before: str
                 f"{row.min_ms:9.1f}{row.predicted_ms:10.1f}{row.lower_bound_ms:8.1f}"
                 f"{row.measured_over_predicted:10.3f}{row.kept:7.3f}{kept_predicted:10.3f}{row.rerouted:11d}"
             )
-    recycle, alone = results[0], results[1]
-    print("re-routing alone / ReCycle (iteration time; > 1: ReCycle's mechanisms pay off):")
-    for failed in ([], STAGE_1, STAGES_0_AND_3):
-        ours, theirs = recycle.row(failed), alone.row(failed)
-        if ours is None or theirs is None:
-            print(f"  {describe(failed):12} not measured (an epoch had too few iterations)")
-            continue
-        print(
-            f"  {describe(failed):12} measured {theirs.median_ms / ours.median_ms:.3f}, "
-            f"predicted {theirs.predicted_ms / ours.predicted_ms:.3f}"
-        )
+    if len(results) == 2:
+        compare_modes(*results)
     worst = max(row.measured_over_predicted for result in results for row in result.rows)
     verdict = "met" if worst <= 1.10 else "NOT met"
     print(f"worst measured/predicted {worst:.3f} (goal <= 1.10: {verdict}); wall time per launch: ", end="")

@@ -1,45 +1,55 @@
-"""Randomized fault campaign: ReCycle under kills, hangs and leaves with re-joins, in real
-``ds-recycle launch --respawn`` jobs of pp=3 x dp=3 (the tests' tiny GPT, m=4, gradient clipping,
-F=B=W=8 ms emulated, ``--heartbeat-min-timeout 1``).
+"""Randomized fault campaign: ReCycle under kills, hangs, leaves and crashes of leavers and joiners,
+with re-joins, in real ``ds-recycle launch --respawn`` jobs of pp=3 x dp=3 (the tests' tiny GPT,
+m=4, gradient clipping, F=B=W=8 ms emulated, ``--heartbeat-min-timeout 1``).
 
 A seeded schedule of faults is split over a few launches (``--jobs``), so that each stays short.
-Each fault picks
+Every other job trains from a map-style ``training_data`` with helper processes beside each rank
+(two DataLoader workers and a forked process, as training scripts have); the others from a
+provider. Each fault picks
 
-- a signal: SIGKILL (a death, most often), SIGSTOP (a hang: detected by the stale heartbeat) or
-  SIGTERM (a graceful leave at the next boundary);
+- a kind: SIGKILL (a death, most often), SIGSTOP (a hang: detected by the stale heartbeat), SIGTERM
+  (a graceful leave at the next boundary), or a crashing leaver ("SIGTERM>KILL": SIGTERM, and once
+  the launcher accepted the leave, SIGKILL before the rank's boundary: it stays parked at its trap);
+- where the signals go: the rank's process, or its whole process group (the rank and its helpers,
+  as Slurm delivers a preemption notice or ``scancel``; each rank leads a session of its own);
 - one worker, or two of different pipelines (never every worker of a stage);
 - a moment: a trap (the rank parks at the first F, B or W, at the data-parallel all-reduce or right
   after its optimizer step of the iteration, so the signal lands exactly there; the second worker
   of a pair may instead be parked at the start of the survivors' recovery from the first), or a
-  random fraction of an iteration of wall clock after a boundary.
+  random fraction of an iteration of wall clock after a boundary (a crashing leaver is always
+  trapped);
+- sometimes a crashing joiner: the first worker's respawn is let in only once the survivors wait at
+  a boundary, and is SIGKILLed (its process or its group) while its join is pending (accepted, not
+  yet decided). It must cost the survivors nothing; the next respawn re-joins.
 
 A fault lands two iterations after the previous one's re-join. The survivors run a few iterations
-on the adapted plan (held at a boundary by the tests' pacing, ``recycle_job.hold_degraded`` and ``rejoin``), the
-launcher's respawn re-joins from a live replica, and the job goes on. The rank script is
-``bench/failure_worker.py``: traps are read from files at every boundary, in any incarnation, and
-every process records its membership changes (with the engine's detection and recovery times)
-and when it started and joined.
+on the adapted plan (held at a boundary: ``ds_recycle.testing.jobs.hold_degraded`` and ``rejoin``),
+the launcher's respawn re-joins from a live replica, and the job goes on. The rank script is
+ds_recycle/testing/worker.py with ``--trap-files --gate --timings``: traps are read from files at
+every boundary, in any incarnation, respawns wait at a gate file while one exists, and every process
+records its membership changes (with the engine's detection and recovery times) and when it started
+and joined. The driver watches the launcher through its ``--events`` stream.
 
 After each job, every slot's final parameters, optimizer state and losses are compared with a
-fault-free run of the same job (the tests' tolerances), and the F ledger of every process (killed
-ones included, minus the work their recovery voided) must hold every micro-batch of every
-iteration exactly once per stage. A fault counts as survived when its job exited 0 and passed both
-checks, the survivors ran on a plan without its workers, the respawn brought the job back to the
-fault-free plan, and the survivors restarted no earlier than the iteration in flight at the signal
-(lost work at most the in-flight iteration).
+fault-free run of the same job, and the F ledger of every process (killed ones included, minus the
+work their recovery voided) must hold every micro-batch of every iteration exactly once per stage.
+A fault counts as survived when its job exited 0 and passed both checks, the survivors ran on a plan
+without its workers, the respawn brought the job back to the fault-free plan, the survivors
+restarted no earlier than the iteration in flight at the first signal (lost work at most the
+in-flight iteration), and a crashing joiner was published as failed while its join was pending.
 
 Latencies (wall clock of this host; "every survivor" is the last one to get there):
 
-- detection: signal to every survivor stopped by the failure (SIGSTOP: includes the heartbeat
-  timeout);
+- detection: the killing signal to every survivor stopped by the failure (SIGSTOP: includes the
+  heartbeat timeout; a crashing leaver: from its SIGKILL);
 - to the new plan: the fault's last signal to every survivor running on the plan without its
   workers; for SIGSTOP also from the coordinator's publication of the hang (the engine's
   "recovered ... ms after the failure");
-- re-join: the respawned process's start, and its join request, to every member back on the
-  fault-free plan.
+- re-join: the respawned process's start, and the coordinator's acceptance of its join request, to
+  every member back on the fault-free plan.
 
     flock /tmp/cpu.lock .venv/bin/python bench/fault_campaign.py [--faults 30] [--jobs 3] [--seed 0]
-        [--optimizer sgd|adam|alternate] [--hang-timeout 1] [--json out.json] [--keep DIR]
+        [--optimizer sgd|adam|alternate] [--hang-timeout 1] [--json out.json] [--keep DIR] [--smoke]
 """
 
 from __future__ import annotations
@@ -51,7 +61,6 @@ import json
 import math
 import os
 import random
-import re
 import shutil
 import signal
 import statistics
@@ -62,10 +71,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[0] / "tests" / "runtime"))
-
-from recycle_job import (  # noqa: E402
+from ds_recycle.testing.jobs import (
     DEGRADED_ITERATIONS,
     Job,
     M,
@@ -81,19 +87,21 @@ from recycle_job import (  # noqa: E402
     worst_parameter_difference,
 )
 
-WORKER = HERE / "failure_worker.py"
 PP, DP = 3, 3
+WORKER_ARGS = ["--trap-files", "--gate", "--timings"]
 HANG_TIMEOUT = 1.0
 """--heartbeat-min-timeout (default of --hang-timeout): a SIGSTOPped rank is declared failed after
 about 1 s (the launcher's default is 10 s; 30/30 faults survived at 1 s on 2 cores with no false hang)."""
-SIGNALS = {"SIGKILL": 6, "SIGSTOP": 2, "SIGTERM": 2}
-"""Relative frequency of each signal in the schedule."""
+LEAVER_CRASH = "SIGTERM>KILL"
+KINDS = {"SIGKILL": 5, "SIGSTOP": 2, "SIGTERM": 2, LEAVER_CRASH: 2}
+"""Relative frequency of each kind of fault in the schedule."""
 PAIR_PROBABILITY = 0.25
 TRAP_PROBABILITY = 0.7
 RECOVERY_PROBABILITY = 0.5
-TREE_PROBABILITY = 0.5
-"""The share of faults whose signal goes to the rank's whole process group, as Slurm sends it."""
 """Of a pair that is killed or hung at traps: the second is parked at the survivors' recovery."""
+TREE_PROBABILITY = 0.5
+"""The share of faults whose signals go to the rank's whole process group, as Slurm sends them."""
+JOINER_CRASH_PROBABILITY = 0.2
 POINTS = ("F", "B", "W", "allreduce", "stepped")
 WARMUP = 2
 """Fault-free iterations before the first fault."""
@@ -101,13 +109,23 @@ ITERATIONS_PER_FAULT = 8
 """Steps budgeted per fault: the trap two iterations ahead, DEGRADED_ITERATIONS, the re-join."""
 MARGIN = 10
 TOLERANCE = 1e-5
-"""rtol = atol of the campaign's comparison with the fault-free run. The tests' (recycle_job.RTOL,
-ATOL = 1e-6, 1e-7) hold for their 24 iterations; over longer jobs with many re-ordered gradient sums
-fp32 noise reaches a few 1e-7 (Adam), while a lost, repeated or un-undone micro-batch or step moves
+"""rtol = atol of the campaign's comparison with the fault-free run. The tests' (jobs.RTOL, ATOL =
+1e-6, 1e-7) hold for their 24 iterations; over longer jobs with many re-ordered gradient sums fp32
+noise reaches a few 1e-7 (Adam), while a lost, repeated or un-undone micro-batch or step moves
 parameters by about lr x gradient, 1e-4 and more. Both verdicts are reported."""
 KILL_GOAL_S, HANG_GOAL_S = 0.5, 1.5
 """Median goals: SIGKILL to running on the new plan; SIGSTOP (from its detection) to running."""
-REJOINED = re.compile(r"re-joined as worker .* at iteration (\d+) \(([\d.]+) s from its request\)")
+PENDING_JOIN = "signal SIGKILL while its join was pending"
+
+
+@dataclass(frozen=True)
+class Shape:
+    pp: int
+    dp: int
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp
 
 
 @dataclass
@@ -115,32 +133,36 @@ class Fault:
     index: int
     job: int
     signal: str
+    """SIGKILL, SIGSTOP, SIGTERM or LEAVER_CRASH."""
     workers: list[tuple[int, int]]
     """(pipeline, stage) of each worker signalled."""
+    slots: list[int]
     moment: str
     """``trap`` (``points``, one per worker) or ``clock`` (``fraction`` of an iteration after a boundary)."""
     points: list[str] = field(default_factory=list)
     fraction: float = 0.0
     tree: bool = False
-    """The signal goes to the rank's whole process group (each rank leads a session of its own)."""
+    """The signals go to the rank's whole process group (each rank leads a session of its own)."""
+    joiner_crash: bool = False
+    """The first worker's respawn is SIGKILLed while its join is pending."""
     iteration: int = -1
     """Filled by the run: the iteration the fault was aimed at."""
     in_flight: int = -1
     """Filled by the run: the least iteration count over every rank at the first signal."""
     signalled: list[float] = field(default_factory=list)
-
-    @property
-    def slots(self) -> list[int]:
-        return [slot(DP, p, s) for p, s in self.workers]
+    """When the fault's last signal reached each worker (a crashing leaver: its SIGKILL)."""
+    joiner_published: bool | None = None
+    """Filled by the run for a crashing joiner: its death was published as a pending joiner's."""
 
     def describe_workers(self) -> str:
         return " ".join(f"({p},{s})" for p, s in self.workers)
 
     def describe_moment(self) -> str:
-        to = " (process group)" if self.tree else ""
+        to = " (group)" if self.tree else ""
+        joiner = " +joiner" if self.joiner_crash else ""
         if self.moment == "trap":
-            return "trap " + ",".join(self.points) + to
-        return f"+{self.fraction:.2f} iteration{to}"
+            return "trap " + ",".join(self.points) + to + joiner
+        return f"+{self.fraction:.2f} iteration{to}{joiner}"
 
 
 @dataclass
@@ -163,6 +185,8 @@ class Row:
     restart: int | None = None
     handled: bool = False
     """An epoch without the fault's workers and a later one back on the fault-free plan were found."""
+    joiner_ok: bool = True
+    """No crashing joiner, or its death was published as a pending joiner's."""
     survived: bool = False
     note: str = ""
 
@@ -175,6 +199,7 @@ class Row:
 class JobResult:
     number: int
     optimizer: str
+    data: str
     steps: int
     exit_code: int | None
     error: str = ""
@@ -197,28 +222,38 @@ class JobResult:
 # ---- the schedule -------------------------------------------------------------------------------
 
 
-def make_schedule(seed: int, faults: int, jobs: int) -> list[Fault]:
+def make_schedule(seed: int, faults: int, jobs: int, shape: Shape) -> list[Fault]:
     rng = random.Random(seed)
     sizes = [faults // jobs + (1 if j < faults % jobs else 0) for j in range(jobs)]
     schedule = []
     for job, size in enumerate(sizes):
         for _ in range(size):
-            sig = rng.choices(list(SIGNALS), weights=list(SIGNALS.values()))[0]
-            workers = [(rng.randrange(DP), rng.randrange(PP))]
+            kind = rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
+            workers = [(rng.randrange(shape.dp), rng.randrange(shape.pp))]
             if rng.random() < PAIR_PROBABILITY:
-                other = rng.choice([p for p in range(DP) if p != workers[0][0]])
-                workers.append((other, rng.randrange(PP)))
-            assert all(sum(s == stage for _, s in workers) < DP for stage in range(PP)), "a whole stage"
-            fault = Fault(len(schedule), job, sig, workers, "trap" if rng.random() < TRAP_PROBABILITY else "clock")
+                other = rng.choice([p for p in range(shape.dp) if p != workers[0][0]])
+                workers.append((other, rng.randrange(shape.pp)))
+            assert all(sum(s == stage for _, s in workers) < shape.dp for stage in range(shape.pp)), "a whole stage"
+            trapped = kind == LEAVER_CRASH or rng.random() < TRAP_PROBABILITY
+            slots = [slot(shape.dp, p, s) for p, s in workers]
+            fault = Fault(len(schedule), job, kind, workers, slots, "trap" if trapped else "clock")
             if fault.moment == "trap":
                 fault.points = [rng.choice(POINTS) for _ in workers]
-                if len(workers) == 2 and sig != "SIGTERM" and rng.random() < RECOVERY_PROBABILITY:
+                if len(workers) == 2 and kind in ("SIGKILL", "SIGSTOP") and rng.random() < RECOVERY_PROBABILITY:
                     fault.points[1] = "recovery"
             else:
                 fault.fraction = rng.random()
             fault.tree = rng.random() < TREE_PROBABILITY
+            fault.joiner_crash = rng.random() < JOINER_CRASH_PROBABILITY
             schedule.append(fault)
     return schedule
+
+
+def smoke_schedule(shape: Shape) -> list[Fault]:
+    """One fault for the test suite: a crashing leaver signalled as a process group (with its
+    helpers), whose respawn crashes while its join is pending."""
+    worker = (0, 1)
+    return [Fault(0, 0, LEAVER_CRASH, [worker], [slot(shape.dp, *worker)], "trap", ["B"], tree=True, joiner_crash=True)]
 
 
 # ---- one job --------------------------------------------------------------------------------------
@@ -231,22 +266,36 @@ def write_atomically(path: Path, text: str) -> None:
 
 
 def progress(job: Job) -> list[int]:
-    return [job.progress(s) for s in range(PP * DP)]
+    return [job.progress(s) for s in range(job.pp * job.dp)]
 
 
-def exit_pattern(sig: str, s: int) -> str:
-    # A hung rank is SIGKILLed by the coordinator once its failure is published.
-    return rf"rank {s} exited \(code 0\)" if sig == "SIGTERM" else rf"rank {s} exited \(signal SIGKILL\)"
+def exit_of(fault: Fault) -> dict:
+    """The fields of the event of a signalled worker's exit (a hung rank is SIGKILLed by the
+    coordinator once its failure is published)."""
+    return {"code": 0} if fault.signal == "SIGTERM" else {"signal": "SIGKILL"}
 
 
-def send(job: Job, fault: Fault, s: int) -> None:
-    if not fault.signalled:
+def send(job: Job, fault: Fault, s: int, name: str) -> None:
+    """``name`` to slot ``s``'s process, or to its process group (the rank leads it)."""
+    if fault.in_flight < 0:
         fault.in_flight = min(progress(job))
-    fault.signalled.append(time.time())
     if fault.tree:
-        os.killpg(job.pids[s], getattr(signal, fault.signal))
+        os.killpg(job.pids[s], getattr(signal, name))
     else:
-        os.kill(job.pids[s], getattr(signal, fault.signal))
+        os.kill(job.pids[s], getattr(signal, name))
+
+
+def strike(job: Job, fault: Fault, s: int) -> None:
+    """The fault's signals to slot ``s``: a crashing leaver gets SIGTERM, its leave is accepted,
+    then SIGKILL while it is still parked before its boundary."""
+    if fault.signal == LEAVER_CRASH:
+        leaves = job.count_events("accepted", kind="leave", slot=s)
+        send(job, fault, s, "SIGTERM")
+        job.wait_for_event("accepted", leaves + 1, timeout=60, kind="leave", slot=s)
+        send(job, fault, s, "SIGKILL")
+    else:
+        send(job, fault, s, fault.signal)
+    fault.signalled.append(time.time())
 
 
 def inject(job: Job, fault: Fault) -> None:
@@ -256,12 +305,16 @@ def inject(job: Job, fault: Fault) -> None:
     if target + DEGRADED_ITERATIONS + 4 > job.steps:
         raise AssertionError(f"fault {fault.index} does not fit in {job.steps} steps (iteration {target})")
     fault.iteration = target
-    exits = {s: job.count(exit_pattern(fault.signal, s)) for s in slots}
-    joins = {s: job.count(rf"accepted join of slot {s} ") for s in slots}
+    exits = {s: job.count_events("exited", slot=s, **exit_of(fault)) for s in slots}
+    joins = {s: job.count_events("accepted", kind="join", slot=s) for s in slots}
+    if fault.joiner_crash:
+        (job.out / f"gate{slots[0]}").write_text("")  # its respawn waits until the survivors are held
     if fault.moment == "trap":
+        # A crashing leaver stays parked after its SIGTERM; other trapped ranks go on when asked to leave.
+        mode = ":stay" if fault.signal == LEAVER_CRASH else ""
         pending = {s: f"j{fault.job}f{fault.index}s{s}" for s in slots}
         for s, point in zip(slots, fault.points, strict=True):
-            write_atomically(job.out / f"trap{s}", f"{point}:{target}:{pending[s]}")
+            write_atomically(job.out / f"trap{s}", f"{point}:{target}:{pending[s]}{mode}")
         while pending:
             # Whichever is parked first: a parked rank can keep the other from reaching its point.
             job.wait_until(
@@ -271,7 +324,7 @@ def inject(job: Job, fault: Fault) -> None:
             for s, token in list(pending.items()):
                 if (job.out / f"trapped{s}.{token}").exists():
                     (job.out / f"trap{s}").unlink(missing_ok=True)  # a respawn must not park again
-                    send(job, fault, s)
+                    strike(job, fault, s)
                     del pending[s]
     else:
         watch = slots[0]
@@ -280,42 +333,69 @@ def inject(job: Job, fault: Fault) -> None:
         job.wait_until(lambda: job.progress(watch) >= target, f"slot {watch} at iteration {target}")
         time.sleep(fault.fraction * (time.time() - began))
         for s in slots:
-            send(job, fault, s)
+            strike(job, fault, s)
     iteration = max(progress(job))
     hold_degraded(job, iteration)
     for s in slots:
-        job.wait_for_line(exit_pattern(fault.signal, s), exits[s] + 1, timeout=120)
+        job.wait_for_event("exited", exits[s] + 1, slot=s, **exit_of(fault))
+    if fault.joiner_crash:
+        crash_pending_joiner(job, fault, iteration, joins)
+        joins = {**joins, slots[0]: joins[slots[0]] + 1}
     rejoin(job, slots, iteration, joins)
 
 
-def run_reference(workdir: Path, optimizer: str, steps: int, timeout: float) -> dict[int, dict]:
+def crash_pending_joiner(job: Job, fault: Fault, iteration: int, joins: dict[int, int]) -> None:
+    """Once every survivor waits at the hold, let the first worker's respawn in and SIGKILL it (its
+    process or group) as soon as its join is accepted: the join is still pending, since the
+    survivors decide joins at their next boundary."""
+    s = fault.slots[0]
+    survivors = [t for t in range(job.pp * job.dp) if t not in fault.slots]
+    held = iteration + DEGRADED_ITERATIONS
+    job.wait_until(lambda: min(job.progress(t) for t in survivors) >= held, "the survivors at the hold")
+    (job.out / f"gate{s}").unlink()
+    joiner = job.wait_for_event("accepted", joins[s] + 1, timeout=180, kind="join", slot=s)
+    failures = job.count_events("published_failure", slot=s)
+    (os.killpg if fault.tree else os.kill)(joiner["pid"], signal.SIGKILL)
+    published = job.wait_for_event("published_failure", failures + 1, timeout=60, slot=s)
+    fault.joiner_published = published["why"] == PENDING_JOIN
+
+
+def run_reference(workdir: Path, shape: Shape, optimizer: str, data: str, steps: int, timeout: float) -> dict:
     """The final state of every slot in a fault-free run of the job."""
+    tmp = workdir / f"fault_free_{optimizer}_{data}"
     try:
-        return run_fault_free(workdir / f"fault_free_{optimizer}", PP, DP, steps, optimizer, WORKER, timeout)
+        return run_fault_free(tmp, shape.pp, shape.dp, steps, optimizer, timeout, data, WORKER_ARGS)
     except AssertionError as exc:
-        raise SystemExit(f"the fault-free {optimizer} run failed:\n{exc}") from None
+        raise SystemExit(f"the fault-free {optimizer} {data} run failed:\n{exc}") from None
 
 
-def run_job(
-    number: int,
-    faults: list[Fault],
-    optimizer: str,
-    steps: int,
-    reference: dict,
-    workdir: Path,
-    timeout: float,
-    hang_timeout: float,
-) -> JobResult:
+@dataclass(frozen=True)
+class JobPlan:
+    number: int
+    shape: Shape
+    optimizer: str
+    data: str
+    """``provider``, or ``dataset`` (map-style, with helper processes beside each rank)."""
+    steps: int
+    timeout: float
+    hang_timeout: float
+
+
+def run_job(plan: JobPlan, faults: list[Fault], reference: dict, workdir: Path) -> JobResult:
     began = time.time()
-    job = Job(workdir / f"job{number}", PP, DP, steps, job_config(), optimizer, True, timeout, worker=WORKER)
-    job.launcher_args = ["--heartbeat-min-timeout", str(hang_timeout)]
-    result = JobResult(number, optimizer, steps, None)
+    shape = plan.shape
+    job = Job(workdir / f"job{plan.number}", shape.pp, shape.dp, plan.steps, job_config(), plan.optimizer, True)
+    job.timeout, job.data, job.helpers = plan.timeout, plan.data, plan.data == "dataset"
+    job.worker_args = list(WORKER_ARGS)
+    job.launcher_args = ["--heartbeat-min-timeout", str(plan.hang_timeout)]
+    result = JobResult(plan.number, plan.optimizer, plan.data, plan.steps, None)
     job.start()
     try:
         job.wait_until(lambda: min(progress(job)) >= WARMUP, "the warm-up iterations")
         for fault in faults:
             log(
-                f"job {number} fault {fault.index}: {fault.signal} {fault.describe_workers()} {fault.describe_moment()}"
+                f"job {plan.number} fault {fault.index}: {fault.signal} {fault.describe_workers()} "
+                f"{fault.describe_moment()}"
             )
             try:
                 inject(job, fault)
@@ -335,7 +415,7 @@ def run_job(
         result.log_tail = job.log_tail(6000)
     result.wall_seconds = time.time() - began
     (job.tmp / "launcher.log").write_text("\n".join(job.lines) + "\n")
-    check_job(job, result, reference, steps)
+    check_job(job, result, reference, plan.steps)
     result.rows = measure(job, faults, result)
     return result
 
@@ -362,8 +442,8 @@ def check_job(job: Job, result: JobResult, reference: dict, steps: int) -> None:
         result.error = f"states differ from the fault-free run: {' '.join(str(exc).split())[:300]}"
     changes = [c for p in processes(job).values() for c in p["changes"]]
     try:
-        ledgers = [record["ledger"] for record in records] + killed_ledgers(killed, changes, DP)
-        assert_ledger_exact(ledgers, PP, DP, M, steps)
+        ledgers = [record["ledger"] for record in records] + killed_ledgers(killed, changes, job.dp)
+        assert_ledger_exact(ledgers, job.pp, job.dp, M, steps)
         result.ledger_exact = True
     except (AssertionError, KeyError, IndexError) as exc:
         result.error = result.error or f"F ledger not exact: {type(exc).__name__}: {str(exc).splitlines()[0]}"
@@ -380,18 +460,10 @@ def processes(job: Job) -> dict[tuple[int, int], dict]:
     return saved
 
 
-def request_times(job: Job, saved: dict[tuple[int, int], dict]) -> dict[tuple[int, int], float]:
-    """When each re-joined process posted its join request, from its log line
-    ``re-joined as worker ... at iteration I (X s from its request)``."""
-    times = {}
-    for s in range(PP * DP):
-        path = job.tmp / "logs" / f"rank{s}.log"
-        lines = REJOINED.findall(path.read_text(errors="replace")) if path.exists() else []
-        seconds = {int(iteration): float(x) for iteration, x in lines}
-        for (t, incarnation), process in saved.items():
-            if t == s and incarnation > 0 and process.get("joined_at") in seconds:
-                times[s, incarnation] = process["joined"] - seconds[process["joined_at"]]
-    return times
+def request_times(job: Job) -> dict[tuple[int, int], float]:
+    """When the coordinator accepted each process's join request, by (slot, incarnation)."""
+    started = {e["pid"]: (e["slot"], e["incarnation"]) for e in job.events.select("started")}
+    return {started[e["pid"]]: e["time"] for e in job.events.select("accepted", kind="join") if e["pid"] in started}
 
 
 def workers_of(entries: Iterable) -> set[tuple[int, int]]:
@@ -400,7 +472,7 @@ def workers_of(entries: Iterable) -> set[tuple[int, int]]:
 
 def measure(job: Job, faults: list[Fault], result: JobResult) -> list[Row]:
     saved = processes(job)
-    requests = request_times(job, saved)
+    requests = request_times(job)
     changes = [c for p in saved.values() for c in p["changes"]]
     rows = []
     for k, fault in enumerate(faults):
@@ -412,11 +484,14 @@ def measure(job: Job, faults: list[Fault], result: JobResult) -> list[Row]:
             fault.describe_moment(),
             fault.iteration,
             in_flight=fault.in_flight,
+            joiner_ok=fault.joiner_published is not False,
         )
         rows.append(row)
         if not fault.signalled:
             row.note = "not run"
             continue
+        if not row.joiner_ok:
+            row.note = "the crashed joiner was not published as a pending joiner"
         first, last = fault.signalled[0], fault.signalled[-1]
         end = faults[k + 1].signalled[0] if k + 1 < len(faults) and faults[k + 1].signalled else math.inf
         inside = [c for c in changes if first <= c["time"] < end]
@@ -458,7 +533,7 @@ def measure(job: Job, faults: list[Fault], result: JobResult) -> list[Row]:
         row.rejoin_request_s = back_time - min(asked) if asked else None
         row.handled = True
     for row in rows:
-        row.survived = result.ok and row.handled and row.lost_ok
+        row.survived = result.ok and row.handled and row.lost_ok and row.joiner_ok
         if result.error.startswith(f"fault {row.index}:"):
             row.note = (row.note + "; " if row.note else "") + "the job failed here"
     return rows
@@ -491,28 +566,31 @@ def verdict(ok: bool) -> str:
     return "met" if ok else "NOT met"
 
 
-def report(schedule: list[Fault], results: list[JobResult], args: argparse.Namespace, wall: float) -> dict:
+def report(
+    schedule: list[Fault], results: list[JobResult], args: argparse.Namespace, shape: Shape, wall: float
+) -> dict:
     rows = [row for result in results for row in result.rows]
     print(
-        f"fault campaign: pp={PP} x dp={DP}, m={M}, seed {args.seed}, {len(schedule)} faults in {len(results)} jobs "
-        f"of {results[0].steps if results else 0} steps, --heartbeat-min-timeout {args.hang_timeout:g} s, "
-        f"{os.cpu_count()} cores; wall time {wall:.0f} s"
+        f"fault campaign: pp={shape.pp} x dp={shape.dp}, m={M}, seed {args.seed}, {len(schedule)} faults in "
+        f"{len(results)} jobs of {results[0].steps if results else 0} steps, --heartbeat-min-timeout "
+        f"{args.hang_timeout:g} s, {os.cpu_count()} cores; wall time {wall:.0f} s"
     )
     for result in results:
         status = "ok" if result.ok else f"FAILED: {result.error}"
+        data = "map-style dataset + helper processes" if result.data == "dataset" else "provider"
         print(
-            f"  job {result.number} ({result.optimizer}): exit {result.exit_code}, {len(result.rows)} faults, "
+            f"  job {result.number} ({result.optimizer}, {data}): exit {result.exit_code}, {len(result.rows)} faults, "
             f"{result.wall_seconds:.0f} s, max |param - fault-free| {result.worst_difference:.3g} "
             f"(within the tests' tolerance: {'yes' if result.strictly_equal else 'no'}), {status}"
         )
     print("per fault (times: detection and to-new-plan in ms, re-join in s; restart/in-flight = iterations):")
     print(
-        f"{'#':>3} {'job':>3} {'signal':8}{'workers':12}{'moment':22}{'it':>4}{'detect':>8}{'plan':>7}"
+        f"{'#':>3} {'job':>3} {'signal':13}{'workers':12}{'moment':31}{'it':>4}{'detect':>8}{'plan':>7}"
         f"{'pub>plan':>9}{'rejoin':>8}{'req>back':>9}{'restart':>8}{'in-fl':>6}  ok"
     )
     for row in rows:
         print(
-            f"{row.index:3d} {row.job:3d} {row.signal:8}{row.workers:12}{row.moment:22}{row.iteration:4d}"
+            f"{row.index:3d} {row.job:3d} {row.signal:13}{row.workers:12}{row.moment:31}{row.iteration:4d}"
             f"{milliseconds(row.detection_s):>8}{milliseconds(row.new_plan_s):>7}"
             f"{milliseconds(row.published_to_plan_s):>9}{seconds(row.rejoin_start_s):>8}"
             f"{seconds(row.rejoin_request_s):>9}{str(row.restart):>8}{row.in_flight:6d}  "
@@ -544,12 +622,21 @@ def report(schedule: list[Fault], results: list[JobResult], args: argparse.Names
         f"(states equal within rtol = atol = {TOLERANCE:g}: {equal}/{len(results)} jobs; "
         f"within the tests' rtol 1e-6, atol 1e-7: {strict}/{len(results)})"
     )
+    group = [f for f in schedule if f.tree and f.signalled]
+    joiners = [f for f in schedule if f.joiner_crash and f.joiner_published is not None]
+    print(
+        f"signals to the whole process group: {len(group)} faults ({sum(f.signal == 'SIGTERM' for f in group)} "
+        f"leaves); crashed leavers: {sum(f.signal == LEAVER_CRASH for f in schedule if f.signalled)}; "
+        f"crashed pending joiners: {len(joiners)}, published as such: {sum(bool(f.joiner_published) for f in joiners)}"
+    )
     print(f"detection (signal to every survivor stopped): SIGKILL {spread(values('detection_s', 'SIGKILL'))}")
+    print(f"  crashed leaver (from its SIGKILL) {spread(values('detection_s', LEAVER_CRASH))}")
     print(
         f"  SIGSTOP {spread(values('detection_s', 'SIGSTOP'), 's')} "
         f"(heartbeat timeout max({args.hang_timeout:g} s, 3 x slowest iteration))"
     )
     print(f"SIGKILL to running on the new plan: {spread(kill)}")
+    print(f"crashed leaver, its SIGKILL to running on the new plan: {spread(values('new_plan_s', LEAVER_CRASH))}")
     print(
         f"SIGSTOP to running on the new plan: {spread(hang, 's')}; "
         f"from the hang's detection: {spread(values('published_to_plan_s', 'SIGSTOP'))}"
@@ -557,7 +644,7 @@ def report(schedule: list[Fault], results: list[JobResult], args: argparse.Names
     print(f"SIGTERM (leave) to running on the new plan: {spread(values('new_plan_s', 'SIGTERM'))}")
     print(
         f"re-join, respawned process start to back on the fault-free plan: {spread(values('rejoin_start_s'), 's')}; "
-        f"join request to back: {spread(values('rejoin_request_s'), 's')}"
+        f"join accepted to back: {spread(values('rejoin_request_s'), 's')}"
     )
     restarts = f"{sum(row.lost_ok for row in ran)}/{len(ran)} faults run restarted at or after the iteration in flight"
     ledgers = f"F ledger exact in {sum(r.ledger_exact for r in finished)}/{len(finished)} jobs that finished"
@@ -579,9 +666,8 @@ def report(schedule: list[Fault], results: list[JobResult], args: argparse.Names
 def print_schedule(schedule: list[Fault]) -> None:
     print("schedule ((p,s) = (pipeline, stage); each fault lands two iterations after the previous re-join):")
     for fault in schedule:
-        print(
-            f"  {fault.index:3d} job {fault.job} {fault.signal:8}{fault.describe_workers():12}{fault.describe_moment()}"
-        )
+        workers, moment = fault.describe_workers(), fault.describe_moment()
+        print(f"  {fault.index:3d} job {fault.job} {fault.signal:13}{workers:12}{moment}")
 
 
 def main() -> None:
@@ -590,14 +676,29 @@ def main() -> None:
     parser.add_argument("--faults", type=int, default=30)
     parser.add_argument("--jobs", type=int, default=3, help="launches the faults are split over")
     parser.add_argument("--optimizer", choices=["sgd", "adam", "alternate"], default="alternate")
+    parser.add_argument(
+        "--data",
+        choices=["provider", "dataset", "alternate"],
+        default="alternate",
+        help="training_data: a provider, a map-style dataset with helper processes, or one then the other",
+    )
     parser.add_argument("--hang-timeout", type=float, default=HANG_TIMEOUT, help="--heartbeat-min-timeout, s")
     parser.add_argument("--timeout", type=float, default=1200.0, help="bound on each launch, seconds")
     parser.add_argument("--json", type=Path, default=None, help="also write the schedule and rows here")
     parser.add_argument("--keep", type=Path, default=None, help="keep the jobs' files in this directory")
+    parser.add_argument(
+        "--smoke", action="store_true", help="pp=2 x dp=2, one fixed fault in one job (for the test suite)"
+    )
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: clean up the job's ranks
     began = time.time()
-    schedule = make_schedule(args.seed, args.faults, args.jobs)
+    if args.smoke:
+        shape = Shape(2, 2)
+        args.jobs, args.optimizer, args.data, args.timeout = 1, "sgd", "dataset", 300.0
+        schedule = smoke_schedule(shape)
+    else:
+        shape = Shape(PP, DP)
+        schedule = make_schedule(args.seed, args.faults, args.jobs, shape)
     print_schedule(schedule)
     sys.stdout.flush()
     per_job = max(sum(f.job == j for f in schedule) for j in range(args.jobs))
@@ -606,27 +707,28 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     results = []
     try:
-        references: dict[str, dict] = {}
+        references: dict[tuple[str, str], dict] = {}
         for number in range(args.jobs):
             optimizer = args.optimizer if args.optimizer != "alternate" else ("sgd", "adam")[number % 2]
-            if optimizer not in references:
-                log(f"fault-free reference run ({optimizer}, {steps} steps)")
-                references[optimizer] = run_reference(workdir, optimizer, steps, args.timeout)
+            data = args.data if args.data != "alternate" else ("provider", "dataset")[number % 2]
+            if (optimizer, data) not in references:
+                log(f"fault-free reference run ({optimizer}, {data}, {steps} steps)")
+                references[optimizer, data] = run_reference(workdir, shape, optimizer, data, steps, args.timeout)
             faults = [f for f in schedule if f.job == number]
-            log(f"job {number}: {len(faults)} faults, {optimizer}, {steps} steps")
-            reference = references[optimizer]
-            results.append(
-                run_job(number, faults, optimizer, steps, reference, workdir, args.timeout, args.hang_timeout)
-            )
+            log(f"job {number}: {len(faults)} faults, {optimizer}, {data}, {steps} steps")
+            plan = JobPlan(number, shape, optimizer, data, steps, args.timeout, args.hang_timeout)
+            results.append(run_job(plan, faults, references[optimizer, data], workdir))
             if results[-1].error:
                 log(f"job {number} failed: {results[-1].error}; files in {workdir / f'job{number}'}")
                 log(results[-1].log_tail)
     finally:
         if args.keep is None and all(r.ok for r in results):
             shutil.rmtree(workdir, ignore_errors=True)
-    summary = report(schedule, results, args, time.time() - began)
+    summary = report(schedule, results, args, shape, time.time() - began)
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1, default=str))
+    if args.smoke and summary["survived"] != summary["total"]:
+        raise SystemExit("smoke: a fault was not survived")
 
 
 if __name__ == "__main__":

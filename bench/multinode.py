@@ -25,35 +25,37 @@ import threading
 import time
 from pathlib import Path
 
+from ds_recycle.testing.launch_events import LaunchEvents
+from ds_recycle.testing.tiny import TINY_GPT, ds_config
+
 ROOT = Path(__file__).resolve().parents[1]
 NODES, PER_NODE = 4, 2
-CONFIG = {
-    "train_micro_batch_size_per_gpu": 2,
-    "gradient_accumulation_steps": 4,
-    "steps_per_print": 10**9,
-    "gradient_clipping": 1.0,
-    "optimizer": {"type": "Adam", "params": {"lr": 0.003, "torch_adam": True}},
-    "recycle": {"enabled": True, "emulate_timing": {"F": 25, "B": 25, "W": 25}},
-}
+CONFIG = ds_config(
+    4,
+    1.0,
+    {"enabled": True, "emulate_timing": {"F": 25, "B": 25, "W": 25}},
+    optimizer={"type": "Adam", "params": {"lr": 0.003, "torch_adam": True}},
+)
 TOKEN = "bench-multinode-token-0123456789"
 
 
 class Node:
-    """One node's agent process (its own process group), its output read in a thread."""
+    """One node's agent process (its own process group), its output read in a thread, its events watched."""
 
     def __init__(self, run: Path, node: int, port: int, steps: int, lease: float, incarnation: int = 0) -> None:
         command = [sys.executable, "-m", "ds_recycle.cli", "launch", "--nnodes", str(NODES), "--node-rank", str(node)]
         command += ["--nproc-per-node", str(PER_NODE), "--rdzv-endpoint", f"127.0.0.1:{port}", "--respawn"]
         command += ["--node-lease", str(lease), "--timeout", "900", "--log-dir", str(run / f"logs{node}.{incarnation}")]
+        self.events = LaunchEvents(run / f"events{node}.{incarnation}.jsonl")
+        command += ["--events", str(self.events.path)]
         command += [str(ROOT / "examples" / "train_gpt.py"), "--deepspeed_config", str(run / "ds_config.json")]
-        command += ["--steps", str(steps), "--layers", "2", "--d-model", "32", "--seq-len", "16", "--pipeline-major"]
+        command += ["--steps", str(steps), *TINY_GPT.script_args(), "--pipeline-major"]
         command += ["--metrics", str(run / "metrics"), "--dump", str(run / "dump")]
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "DS_RECYCLE_TOKEN": TOKEN}
         self.proc = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
         )
         self.lines: list[str] = []
-        self.pids: list[int] = []
         self.log = run / f"agent{node}.{incarnation}.log"
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -63,12 +65,10 @@ class Node:
                 self.lines.append(line.rstrip())
                 log.write(line)
                 log.flush()
-                if " pid " in line and line.endswith("started\n"):
-                    self.pids.append(int(line.split(" pid ")[1].split()[0]))
 
     def signal(self, sig: int, ranks_too: bool) -> None:
         os.killpg(self.proc.pid, sig)
-        for pid in self.pids if ranks_too else []:
+        for pid in self.events.all_pids() if ranks_too else []:
             try:
                 os.killpg(pid, sig)
             except ProcessLookupError:

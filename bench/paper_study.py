@@ -1,13 +1,14 @@
 """The paper study (issues 8, 20): ReCycle vs Oobleck, Bamboo and checkpoint-restart, three experiments.
 
-    .venv/bin/python bench/paper_study.py [--quick]
+    .venv/bin/python bench/paper_study.py [--quick | --smoke]
 
 E1 concurrent-failure sweep, E2 replay of every shipped trace, E3 production-scale Poisson, each
 with ReCycle's rebalancing off, ``migrate`` and ``repartition`` (sim/rebalance.py); then the
 checkpoint-restart model against Oobleck's artifact, a sensitivity line per main parameter, and a
 summary per rebalancing mode (the worst ratio to each baseline, the largest over Oobleck).
 Pure Python (the planner and the models of ds_recycle/sim); tens of minutes on 2 cores (--quick:
-fewer grids, trace configurations and Poisson sizes).
+fewer grids, trace configurations and Poisson sizes; --smoke: one point of each part, for the test
+suite).
 """
 
 from __future__ import annotations
@@ -34,6 +35,47 @@ ARTIFACT_CKPT = Checkpointing(120.0, 581.0, 1950.0)
 """The artifact's Varuna for GPT-3 6.7B: checkpointing_overhead 120 s; restart = the rendezvous
 (local_rendezvous_timeout_delta 701 s) minus the checkpoint it includes; a checkpoint every 10
 iterations of its ~195 s (1024 samples at its 30-node 5.24 samples/s)."""
+
+
+TRACE_CONFIGS = (("6.7B", 5, 16), ("1.3B", 4, 8), ("6.7B", 8, 16))
+"""(model, P, m): the issue's configuration (6.7B, P = 5, m = 16: 30 GPUs on the Oobleck traces)
+first, then the two of the original study."""
+
+
+@dataclass(frozen=True)
+class Size:
+    """What each part of the study covers."""
+
+    models: tuple[str, ...] = ("1.3B", "6.7B")
+    grids: tuple[tuple[int, int], ...] = ((4, 4), (8, 4), (4, 8), (8, 8))
+    """(D, P) of the sweep; m is P and 2 P (``m_per_p``)."""
+    m_per_p: tuple[int, ...] = (1, 2)
+    placements: tuple[str, ...] = ("spread", "stage", "pipeline")
+    trace_configs: tuple[tuple[str, int, int], ...] = ()
+    """(model, P, m) of the trace replay (empty: TRACE_CONFIGS)."""
+    traces: tuple[str, ...] = ()
+    """The shipped traces replayed (empty: all)."""
+    poisson_sizes: tuple[int, ...] = (1024, 4096, 16384)
+    poisson_multiples: tuple[int, ...] = (1, 4, 10)
+    checkpoint_traces: tuple[str, ...] = ("10m", "30m", "1h", "3h", "6h")
+    variants: int | None = None
+    """The first this many sensitivity variants (None: all)."""
+
+
+FULL = Size()
+QUICK = replace(FULL, grids=((4, 4), (4, 8)), trace_configs=TRACE_CONFIGS[:1], poisson_sizes=(1024, 16384))
+SMOKE = Size(
+    models=("1.3B",),
+    grids=((4, 4),),
+    m_per_p=(1,),
+    placements=("spread",),
+    trace_configs=(("1.3B", 4, 8),),
+    traces=("oobleck-synthetic-30m",),
+    poisson_sizes=(1024,),
+    poisson_multiples=(4,),
+    checkpoint_traces=("1h",),
+    variants=1,
+)
 
 
 def params_for(mode: str, base: SystemParams = SystemParams()) -> SystemParams:
@@ -86,33 +128,34 @@ class Tally:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer grids, trace configurations and Poisson sizes")
-    quick = parser.parse_args().quick
+    parser.add_argument("--smoke", action="store_true", help="one point of each part (for the test suite)")
+    args = parser.parse_args()
+    size = SMOKE if args.smoke else QUICK if args.quick else FULL
     began = time.perf_counter()
     tally = Tally()
-    sweep_study(quick, tally)
-    trace_study(quick, tally)
-    poisson_study(quick, tally)
-    checkpoint_check()
-    sensitivity()
+    sweep_study(size, tally)
+    trace_study(size, tally)
+    poisson_study(size, tally)
+    checkpoint_check(size)
+    sensitivity(size)
     print("== Summary per rebalancing mode (R/X = recycle / X; worst point, its place)")
     for line in tally.report():
         print(line)
     print(f"({time.perf_counter() - began:.0f} s)")
 
 
-def sweep_study(quick: bool, tally: Tally) -> None:
+def sweep_study(size: Size, tally: Tally) -> None:
     print("== E1: concurrent-failure sweep (1 h window after f failures at once; samples/s incl. event costs)")
     print("   recycle columns: rebalancing off / migrate / repartition; R/O for each")
-    grids = [(4, 4), (8, 4), (4, 8), (8, 8)] if not quick else [(4, 4), (4, 8)]
     print(
         f"{'model':>6} {'DxP':>5} {'m':>3} {'placement':>9} {'f':>2} {'off':>7} {'migr':>7} {'repart':>7} "
         f"{'oobleck':>8} {'bamboo':>8} {'ckpt':>8} {'R/O off':>8} {'migr':>6} {'repart':>6}"
     )
-    for model in ("1.3B", "6.7B"):
-        for D, P in grids:
-            for m in (P, 2 * P):
+    for model in size.models:
+        for D, P in size.grids:
+            for m in (k * P for k in size.m_per_p):
                 job = Job(get_model(model), D, P, m, checkpointing=SWEEP_CKPT)
-                for placement in ("spread", "stage", "pipeline"):
+                for placement in size.placements:
                     base = sweep(job, placement, params=params_for("off"))
                     modes = {"off": base} | {
                         mode: sweep(job, placement, ("recycle",), params_for(mode)) for mode in MODES[1:]
@@ -134,21 +177,15 @@ def sweep_study(quick: bool, tally: Tally) -> None:
     print()
 
 
-TRACE_CONFIGS = (("6.7B", 5, 16), ("1.3B", 4, 8), ("6.7B", 8, 16))
-"""(model, P, m): the issue's configuration (6.7B, P = 5, m = 16: 30 GPUs on the Oobleck traces)
-first, then the two of the original study."""
-
-
-def trace_study(quick: bool, tally: Tally) -> None:
+def trace_study(size: Size, tally: Tally) -> None:
     print("== E2: trace replay (samples/s averaged over the trace, downtime included)")
     print("   R/O, R/B, R/C with rebalancing off | migrate | repartition")
     print(
         f"{'trace':>22} {'model':>5} {'DxP':>5} {'off':>7} {'migr':>7} {'repart':>7} {'oobleck':>8} {'bamboo':>7} "
         f"{'ckpt':>7}  {'off: R/O R/B R/C':>20}  {'migrate':>18}  {'repartition':>18}"
     )
-    configs = TRACE_CONFIGS[:1] if quick else TRACE_CONFIGS
-    for model, P, m in configs:
-        for path in shipped_traces():
+    for model, P, m in size.trace_configs or TRACE_CONFIGS:
+        for path in (p for p in shipped_traces() if not size.traces or p.stem in size.traces):
             trace = read_trace(path)
             D = trace.peak // P
             job = Job(get_model(model), D, P, m, failures_per_hour=trace.removals / (trace.duration / 3600))
@@ -171,15 +208,14 @@ def trace_study(quick: bool, tally: Tally) -> None:
     print()
 
 
-def poisson_study(quick: bool, tally: Tally) -> None:
+def poisson_study(size: Size, tally: Tally) -> None:
     print("== E3: production-scale Poisson (13B tp=8 x P=8, m=2P, 1 week, repair 2 h; per-GPU rate x Llama 3's)")
     print(
         f"{'GPUs':>6} {'rate':>5} {'fails':>5} {'off':>9} {'migr':>9} {'repart':>9} {'oobleck':>9} {'bamboo':>9} "
         f"{'ckpt':>9}  {'R/O off':>7} {'migr':>6} {'repart':>6}  {'R/C off':>7} {'migr':>6}"
     )
-    sizes = [1024, 4096, 16384] if not quick else [1024, 16384]
-    for gpus in sizes:
-        for multiple in (1, 4, 10):
+    for gpus in size.poisson_sizes:
+        for multiple in size.poisson_multiples:
             model = get_model("13B", tp=8)
             D = gpus // 8 // 8
             rate = multiple * LLAMA3_RATE_PER_GPU_DAY * gpus / 24
@@ -204,7 +240,7 @@ def poisson_study(quick: bool, tally: Tally) -> None:
     print()
 
 
-def checkpoint_check() -> None:
+def checkpoint_check(size: Size) -> None:
     """checkpoint / oobleck on the synthetic traces: our defaults, our model with the artifact's
     Varuna parameters (Oobleck then pays no checkpoint, as in the artifact), and the artifact."""
     print("== Checkpoint-restart against Oobleck's artifact (6.7B 6x5, m=16; checkpoint / oobleck samples/s)")
@@ -212,7 +248,7 @@ def checkpoint_check() -> None:
         f"{'trace':>22} {'ours':>7} {'R=581':>7} {'+C=120':>7} {'+tau=1950':>9} {'+Oobleck no ckpt':>16} "
         f"{'artifact':>8}"
     )
-    for label in ("10m", "30m", "1h", "3h", "6h"):
+    for label in size.checkpoint_traces:
         trace = read_trace(next(p for p in shipped_traces() if p.stem == f"oobleck-synthetic-{label}"))
         rate = trace.removals / (trace.duration / 3600)
 
@@ -237,7 +273,7 @@ def checkpoint_check() -> None:
     print()
 
 
-def sensitivity() -> None:
+def sensitivity(size: Size) -> None:
     print("== Sensitivity: ratio recycle/oobleck and recycle/bamboo on bamboo-p3 (6.7B 4x8, m=16)")
     trace = read_trace(next(p for p in shipped_traces() if p.stem == "bamboo-p3"))
     rate = trace.removals / (trace.duration / 3600)
@@ -266,7 +302,7 @@ def sensitivity() -> None:
             "migrate", replace(base, oobleck=replace(base.oobleck, remove_downtime_s=10.0, add_downtime_s=0.0))
         ),
     }
-    for label, params in variants.items():
+    for label, params in list(variants.items())[: size.variants]:
         study = trace_replay(job, trace, params=params)
         r = {n: run.samples_per_s for n, run in study.runs.items()}
         print(f"  {label:<42} R/O {_fmt(r['recycle'] / r['oobleck'])}  R/B {_fmt(r['recycle'] / r['bamboo'])}")

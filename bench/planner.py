@@ -19,7 +19,8 @@ at most ``2P``). Per case: the lower bound, which of its three bounds binds, the
 iteration time and ratio, and the MILP's where small enough; the summary gives the geometric mean
 and the worst ratio against the goals of issue 8 item 6 (at most 1.02 and 1.10).
 
-    python bench/planner.py [--quick] [--grid all|uniform|presets] [--time-limit 5] [--milp-max-ops 400] [--no-milp]
+    python bench/planner.py [--quick | --smoke] [--grid all|uniform|presets] [--time-limit 5]
+        [--milp-max-ops 400] [--no-milp]
 """
 
 from __future__ import annotations
@@ -85,8 +86,10 @@ def failure_cases(D: int, P: int) -> list[tuple[Worker, ...]]:
     return cases
 
 
-def topologies(quick: bool) -> list[tuple[int, int, int]]:
-    if quick:
+def topologies(args: argparse.Namespace) -> list[tuple[int, int, int]]:
+    if args.smoke:
+        return [(2, 4, 4)]
+    if args.quick:
         return [(D, 4, m) for D in (2, 3) for m in (4, 8)]
     return [(D, P, m) for D in (2, 3, 4, 8) for P in (4, 8) for m in (P, 2 * P, 4 * P)]
 
@@ -234,8 +237,10 @@ def preset_failure_cases(D: int, P: int) -> list[tuple[str, tuple[Worker, ...]]]
     ]
 
 
-def preset_grid(quick: bool) -> list[tuple[str, int, int, int]]:
-    if quick:
+def preset_grid(args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
+    if args.smoke:
+        return [("1.3B", 2, 4, 8)]
+    if args.quick:
         return [(model, D, 4, 8) for model in ("1.3B", "13B") for D in (2, 4)]
     return [(model, D, P, m) for model in PRESET_MODELS for D, P, m in PRESET_TOPOLOGIES]
 
@@ -285,7 +290,7 @@ def run_preset_grid(args: argparse.Namespace) -> list[PresetRow]:
         "cap: micro-batches a worker may hold (memory, at most 2P)"
     )
     rows: list[PresetRow] = []
-    for model, D, P, m in preset_grid(args.quick):
+    for model, D, P, m in preset_grid(args):
         for case, failed in preset_failure_cases(D, P):
             row = run_preset_case(model, D, P, m, case, failed, args)
             rows.append(row)
@@ -343,7 +348,7 @@ def run_uniform_grid(args: argparse.Namespace) -> None:
     for name, _options in ABLATION:
         print(f"  abl-{'abc'[ABLATION.index((name, _options))]}: {name}")
     rows: list[Row] = []
-    for D, P, m in topologies(args.quick):
+    for D, P, m in topologies(args):
         for failed in failure_cases(D, P):
             row = run_case(D, P, m, failed, args)
             rows.append(row)
@@ -402,6 +407,7 @@ def run_uniform_grid(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few small topologies only")
+    parser.add_argument("--smoke", action="store_true", help="one small case per grid (for the test suite)")
     parser.add_argument("--time-limit", type=float, default=5.0, help="MILP time limit per case (s)")
     parser.add_argument("--milp-max-ops", type=int, default=400, help="skip the MILP above this many F/B/W ops")
     parser.add_argument("--no-milp", action="store_true")

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import random
-import re
 import signal
 import statistics
 import subprocess
@@ -33,19 +32,20 @@ from pathlib import Path
 
 import torch
 
+from ds_recycle.testing.launch_events import LaunchEvents
+from ds_recycle.testing.tiny import ds_config
+
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINES, STAGES = 3, 2
 VICTIM = (1, 1)
 """(pipeline, stage) of the worker that is killed."""
-STARTED = re.compile(r"rank (\d+) pid (\d+) started")
-CONFIG = {
-    "train_micro_batch_size_per_gpu": 8,
-    "gradient_accumulation_steps": 4,
-    "steps_per_print": 10**9,
-    "gradient_clipping": 1.0,
-    "optimizer": {"type": "Adam", "params": {"lr": 0.003, "torch_adam": True}},
-    "recycle": {"enabled": True, "emulate_timing": {"F": 25, "B": 25, "W": 25}},
-}
+CONFIG = ds_config(
+    4,
+    1.0,
+    {"enabled": True, "emulate_timing": {"F": 25, "B": 25, "W": 25}},
+    micro_batch_size=8,
+    optimizer={"type": "Adam", "params": {"lr": 0.003, "torch_adam": True}},
+)
 MAX_RELATIVE_DIFF = 1e-4
 """Whole-model ||with failure - fault-free|| / ||fault-free||. A failure changes only the order in
 which a stage's gradients are summed (fp32 rounding); under Adam a parameter whose exact gradient
@@ -54,7 +54,7 @@ steps, so single elements can differ by ~lr/10 while the model as a whole agrees
 
 
 class Run:
-    """One ``ds-recycle launch`` of the job, watched from outside."""
+    """One ``ds-recycle launch`` of the job, watched from outside through its event stream."""
 
     def __init__(self, name: str, out: Path, steps: int, respawn: bool) -> None:
         self.name, self.dir, self.steps = name, out / name, steps
@@ -63,23 +63,25 @@ class Run:
         config.write_text(json.dumps(CONFIG))
         launcher = [sys.executable, "-m", "ds_recycle.cli", "launch", "--nproc", str(PIPELINES * STAGES)]
         launcher += ["--respawn"] if respawn else []
-        launcher += ["--timeout", "600", "--log-dir", str(self.dir / "logs")]
+        self.events = LaunchEvents(self.dir / "events.jsonl")
+        launcher += ["--timeout", "600", "--log-dir", str(self.dir / "logs"), "--events", str(self.events.path)]
         script = [str(ROOT / "examples" / "train_gpt.py"), "--deepspeed_config", str(config)]
         script += ["--pipeline-stages", str(STAGES), "--steps", str(steps), "--layers", "4", "--d-model", "64"]
         script += ["--metrics", str(self.dir / "metrics"), "--dump", str(self.dir / "dump")]
         env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-        self.pids: dict[int, int] = {}
         self.proc = subprocess.Popen(
             launcher + script, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
         )
         self.echo = respawn
         threading.Thread(target=self._read, daemon=True).start()
 
+    @property
+    def pids(self) -> dict[int, int]:
+        """Each rank's current process."""
+        return self.events.pids()
+
     def _read(self) -> None:
         for line in self.proc.stdout:
-            match = STARTED.search(line)
-            if match:
-                self.pids[int(match.group(1))] = int(match.group(2))
             if self.echo and "[ds-recycle launch]" in line:
                 print("  " + line.rstrip(), flush=True)
 

@@ -42,6 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=None, metavar="S", help="kill everything after S seconds")
     parser.add_argument("--log-dir", default=None, metavar="DIR", help="write rank<R>.log here (default: stdout)")
     parser.add_argument(
+        "--events",
+        default=None,
+        metavar="FILE",
+        help="also write every launcher and coordinator event to FILE as JSON lines, for programs that watch the job",
+    )
+    parser.add_argument(
         "--status-port",
         type=int,
         default=None,
@@ -99,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts,
         timeout=args.timeout,
         log_dir=None if args.log_dir is None else Path(args.log_dir),
+        events=None if args.events is None else Path(args.events),
         host=args.host,
         python=sys.executable,
         heartbeat=HeartbeatPolicy(
@@ -133,6 +140,12 @@ def _validate(args: argparse.Namespace, node: nodes.NodeSpec) -> None:
     script = Path(args.script)
     if not script.is_file():
         raise error(f"SCRIPT {args.script}: no such file (expected a Python script to run as each rank)")
+    if args.events is not None:
+        events, folder = Path(args.events), Path(args.events).parent
+        if events.is_dir():
+            raise error(f"--events {args.events}: a directory (expected a file to write the events to)")
+        if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+            raise error(f"--events {args.events}: its folder is not a writable directory")
     if args.log_dir is not None:
         log_dir = Path(args.log_dir)
         try:

@@ -154,9 +154,12 @@ class Coordinator:
         kill: Callable[[int, int], None],
         policy: HeartbeatPolicy | None = None,
         nodes: NodeLayout | None = None,
+        events: Callable[..., None] | None = None,
     ) -> None:
         """``kill(slot, incarnation)`` must SIGKILL that process if it is still the slot's current one
-        (for a slot of node 0, whose agent runs this coordinator; other nodes' agents get kill orders)."""
+        (for a slot of node 0, whose agent runs this coordinator; other nodes' agents get kill orders).
+        ``events(event, **fields)`` gets each logged decision as a structured event (the launcher's
+        ``--events`` stream)."""
         self.host, self.port, self.generation = host, port, generation
         self.world_size = world_size
         self.nodes = nodes or NodeLayout(1, world_size, 5.0)
@@ -173,6 +176,7 @@ class Coordinator:
         self.token = token
         self.policy = policy or HeartbeatPolicy()
         self._log = log
+        self._emit = events or _ignore
         self._kill = kill
         self._exits: queue.Queue[RankExit] = queue.Queue()
         self._stop = threading.Event()
@@ -250,6 +254,7 @@ class Coordinator:
                 if now - self._last_error_log > 1.0:
                     self._last_error_log = now
                     self._log(f"coordinator error (retrying): {type(exc).__name__}: {exc}")
+                    self._emit("coordinator_error", error=f"{type(exc).__name__}: {exc}")
                 time.sleep(0.05)
             if stopping:
                 return
@@ -306,6 +311,9 @@ class Coordinator:
             f"published failure of slot {exit.slot} ({why}) in epoch {membership.epoch}, "
             f"{latency_ms:.1f} ms after waitpid saw the exit"
         )
+        self._emit(
+            "published_failure", slot=exit.slot, cause="exit", why=why, epoch=membership.epoch, latency_ms=latency_ms
+        )
 
     def _poll_requests(self) -> None:
         count = int(self._store.add(proto.REQUEST_COUNT, 0))
@@ -318,6 +326,7 @@ class Coordinator:
                 if now - self._missing_since < MISSING_REQUEST_SECONDS:
                     return
                 self._log(f"skipped request {self._next_request}: counted but never written")
+                self._emit("skipped_request", index=self._next_request)
             else:
                 self._handle_request(self._next_request, self._store.get(key))
             self._missing_since = None
@@ -328,11 +337,13 @@ class Coordinator:
             request = Request.from_json(text)
         except (ValueError, KeyError, TypeError) as exc:
             self._log(f"refused request {index}: malformed ({type(exc).__name__}: {exc})")
+            self._emit("refused", index=index, kind=None, slot=None, pid=None, reason=f"malformed: {exc}")
             return
         reason = self._refusal(request)
         who = f"{request.kind} request for slot {request.slot} from pid {request.pid}"
         if reason:
             self._log(f"refused {who}: {reason}")
+            self._emit("refused", index=index, kind=request.kind, slot=request.slot, pid=request.pid, reason=reason)
             return
         if request.kind == proto.PROBE:
             self._answer_probe(request)
@@ -342,6 +353,7 @@ class Coordinator:
             return
         self._append(request.kind, request.slot, request.time, f"pid {request.pid}")
         self._log(f"accepted {request.kind} of slot {request.slot} (pid {request.pid})")
+        self._emit("accepted", kind=request.kind, slot=request.slot, pid=request.pid)
 
     def _hold_join(self, request: Request) -> None:
         """With several nodes, a node's joins are taken together: a re-admitted node's slots then
@@ -364,6 +376,7 @@ class Coordinator:
         self._append_all([(proto.JOIN, r.slot, r.time, f"pid {r.pid}") for r in requests])
         for r in requests:
             self._log(f"accepted join of slot {r.slot} (pid {r.pid})")
+            self._emit("accepted", kind=proto.JOIN, slot=r.slot, pid=r.pid)
         if len(requests) > 1:
             self._log(f"node {node}: joins of slots {sorted(r.slot for r in requests)} accepted in one change")
 
@@ -410,6 +423,7 @@ class Coordinator:
             why = self._report_refusal(report)
             if why:
                 self._log(f"refused report of node {report.node}: {why}")
+                self._emit("refused_report", node=report.node, reason=why)
                 continue
             if report.kind == "started":
                 self.rank_started(report.slot, report.incarnation, report.time)
@@ -439,6 +453,7 @@ class Coordinator:
         self._leases_read_at = now
         if stalled > limit / 2:
             self._log(f"lease checks were delayed {stalled:.1f} s: judging the nodes' leases again from now on")
+            self._emit("lease_checks_delayed", seconds=stalled)
             return failed
         for node in range(1, self.nodes.count):
             key = proto.lease_key(node)
@@ -464,6 +479,8 @@ class Coordinator:
         now = time.time()
         self._append_all([(proto.FAILED, slot, now, detail) for slot in slots + joining], alert=True)
         self._log(f"published failure of node {node}: slots {slots + joining} in one change ({detail})")
+        for slot in slots + joining:
+            self._emit("published_failure", slot=slot, cause="node", why=detail, epoch=membership.epoch, node=node)
 
     def _join_pending(self, slot: int, membership: Membership) -> bool:
         last = self._last_change(slot)
@@ -494,6 +511,8 @@ class Coordinator:
             if incarnation is not None and not incarnation.running and not (last and last.kind == proto.FAILED):
                 ended.append(slot)
                 self._append(proto.FAILED, slot, time.time(), "ended while still a member", alert=True)
+                why = "ended while still a member"
+                self._emit("published_failure", slot=slot, cause="probe", why=why, epoch=membership.epoch)
         if self.nodes.count > 1:
             # A node whose agent died with its ranks reports nothing: its lease is only getting old.
             quiet = self._check_leases(older_than=max(0.3, 3 * renew_seconds(self.nodes.lease_seconds)))
@@ -503,6 +522,7 @@ class Coordinator:
         self._probed.add((request.slot, membership.epoch))
         if ended or first:  # a survivor probes every 0.1 s until a failure is published
             self._log(f"probe from slot {request.slot} (pid {request.pid}) in epoch {membership.epoch}: {found}")
+            self._emit("probe", slot=request.slot, pid=request.pid, epoch=membership.epoch, ended=ended)
 
     def _check_heartbeats(self) -> None:
         membership = proto.read_membership(self._store)
@@ -530,13 +550,11 @@ class Coordinator:
                 self._note_beat(slot, incarnation.number, beat)
                 age = now - beat
                 if age > timeout:
-                    self._declare_hung(
-                        slot, incarnation.number, f"heartbeat stale {age:.2f} s (timeout {timeout:.2f} s)"
-                    )
+                    detail = f"heartbeat stale {age:.2f} s (timeout {timeout:.2f} s)"
+                    self._declare_hung(slot, incarnation.number, detail, membership.epoch)
             elif self._job_heartbeats and now - incarnation.started > self.policy.startup_timeout:
-                self._declare_hung(
-                    slot, incarnation.number, f"no heartbeat {now - incarnation.started:.1f} s after start"
-                )
+                detail = f"no heartbeat {now - incarnation.started:.1f} s after start"
+                self._declare_hung(slot, incarnation.number, detail, membership.epoch)
 
     def _note_beat(self, slot: int, incarnation: int, beat: float) -> None:
         """Keep the last GAP_WINDOW gaps between consecutive heartbeats of a member's current
@@ -548,9 +566,10 @@ class Coordinator:
             self._gaps.setdefault(slot, collections.deque(maxlen=GAP_WINDOW)).append(beat - last[1])
         self._last_beat[slot] = (incarnation, beat)
 
-    def _declare_hung(self, slot: int, incarnation: int, detail: str) -> None:
+    def _declare_hung(self, slot: int, incarnation: int, detail: str, epoch: int) -> None:
         self._append(proto.FAILED, slot, time.time(), detail, alert=True)
         self._log(f"published failure of slot {slot}: {detail}; killing its process")
+        self._emit("published_failure", slot=slot, cause="heartbeat", why=detail, epoch=epoch)
         self._kill_rank(slot, incarnation)
 
     # ---- pending -------------------------------------------------------------------------------
@@ -581,6 +600,10 @@ class Coordinator:
         """The slot's last change is a failure or a leave: it is on its way out already."""
         last = self._last_change(slot)
         return last is not None and last.kind in (proto.FAILED, proto.LEAVE)
+
+
+def _ignore(event: str, **fields: object) -> None:
+    pass
 
 
 def _seconds(value: str | None) -> float | None:

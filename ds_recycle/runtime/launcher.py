@@ -14,7 +14,9 @@ programmatic form the tests use. The launcher:
 - runs a :class:`~ds_recycle.runtime.coordinator.Coordinator` (the one writer of ``pending``) and
   tells it about every start and every exit it observes through waitpid;
 - prints one line per event: ``rank R pid P started``, ``rank R exited (code C | signal NAME)``,
-  ``rank R respawned (incarnation k)``, and the coordinator's lines.
+  ``rank R respawned (incarnation k)``, and the coordinator's lines;
+- with ``events`` (``--events FILE``), also writes each event as one JSON line for programs that
+  watch the job (:data:`EVENTS` lists them).
 
 Exit rules: the job is *finished* when a rank that is still a member exits 0 (it completed
 training); there are no respawns after that. With ``respawn``, a rank that ends before the job is
@@ -29,6 +31,7 @@ was interrupted; 1 otherwise.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -53,6 +56,31 @@ FAILURE_EXIT_CODE = 1
 POLL_SECONDS = 0.002
 """The waitpid poll period: detection latency of a death is at most this plus the coordinator's tick."""
 LOG_PREFIX = "[ds-recycle launch]"
+EVENTS = {
+    "store": "host, port: the store listens",
+    "started": "slot, pid, incarnation, generation: a rank's process started",
+    "respawned": "slot, pid, incarnation, generation: ... and it is a respawn (incarnation > 0)",
+    "exited": "slot, pid, incarnation, code, signal: waitpid saw it end (code None if a signal ended it)",
+    "completed": "slot: a member exited 0, the job is finished",
+    "restart_requested": "slot: a rank asked for a restart of the job from its checkpoint",
+    "restarting": "generation: every rank starts again from the checkpoint",
+    "stopped": "slot: a rank stopped the job (training cannot go on in place)",
+    "given_up": "slot, failures: a slot that keeps failing is not respawned again",
+    "published_failure": "slot, cause (exit, heartbeat, probe, node), why, epoch[, node, latency_ms]",
+    "accepted": "kind (join, leave), slot, pid: the coordinator accepted a request",
+    "refused": "index, kind, slot, pid, reason: ... or refused one",
+    "probe": "slot, pid, epoch, ended: a member found a peer gone with no failure published",
+    "skipped_request": "index",
+    "refused_report": "node, reason",
+    "coordinator_error": "error",
+    "lease_checks_delayed": "seconds",
+    "fenced": "node, why",
+    "node_refused": "why",
+    "timeout": "seconds",
+    "interrupted": "signal",
+    "ended": "code: the launcher's exit code (the last event)",
+}
+"""``--events``: one JSON object per line, ``{"event": NAME, "time": wall seconds, FIELDS...}``."""
 OTHER_NODES_GRACE_SECONDS = 60.0
 PR_SET_PDEATHSIG = 1
 
@@ -97,6 +125,8 @@ class LaunchConfig:
     """Wall-clock bound on the whole job in seconds (None: no bound)."""
     log_dir: Path | None = None
     """``rank<R>.log`` per rank (truncated at launch, appended across incarnations); None: inherit stdout."""
+    events: Path | None = None
+    """Write the job's events here as JSON lines (:data:`EVENTS`; truncated at launch); None: none."""
     host: str = "127.0.0.1"
     env: dict[str, str] | None = None
     """Extra environment for the ranks (over os.environ)."""
@@ -143,6 +173,7 @@ class Launcher:
         self.config = config
         self._echo = echo or _print
         self._echo_lock = threading.Lock()
+        self._events_file = None
         self._procs_lock = threading.Lock()  # reaping vs. the coordinator's kill
         first = config.node_rank * config.nproc
         self.slots = [_Slot(r) for r in range(first, first + config.nproc)]
@@ -167,6 +198,9 @@ class Launcher:
     def run(self, handle_signals: bool = False) -> int:
         """Run the job to its end; ``handle_signals`` turns SIGINT/SIGTERM into a clean stop (main thread only)."""
         previous = self._install_signal_handlers() if handle_signals else {}
+        if self.config.events is not None:
+            self._events_file = open(self.config.events, "w")  # noqa: SIM115 (closed at the end of run)
+        code = None
         try:
             self._host_store()
             self._truncate_logs()
@@ -174,8 +208,11 @@ class Launcher:
                 self._start_generation()
             except NodeRefused as refused:
                 self.log(f"refused: {refused}")
-                return FAILURE_EXIT_CODE
-            return self._loop()
+                self.emit("node_refused", why=str(refused))
+                code = FAILURE_EXIT_CODE
+                return code
+            code = self._loop()
+            return code
         finally:
             self._kill_all()
             if self.coordinator is not None:
@@ -184,6 +221,11 @@ class Launcher:
                 self.status.stop()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+            self.emit("ended", code=code)
+            if self._events_file is not None:
+                with self._echo_lock:
+                    self._events_file.close()
+                    self._events_file = None
 
     def results(self) -> list[RankResult]:
         return [
@@ -211,6 +253,7 @@ class Launcher:
         host, port = self.config.endpoint or (self.config.host, 0)
         self._server = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
         self.log(f"store listening on {host}:{self._server.port}")
+        self.emit("store", host=host, port=self._server.port)
 
     def _start_generation(self) -> None:
         import torch.distributed as dist
@@ -234,6 +277,7 @@ class Launcher:
                 kill=self._kill_incarnation,
                 policy=self.config.heartbeat,
                 nodes=layout,
+                events=self.emit,
             )
             first_incarnation = 0
             self._serve_status(f"{host}:{port}", g)
@@ -291,6 +335,7 @@ class Launcher:
         """Called by the node's link when its lease lapsed: kill every rank of this node now."""
         self.fenced = why
         self.log(f"node {self.config.node_rank} fences itself: {why}; killing its ranks")
+        self.emit("fenced", node=self.config.node_rank, why=why)
         with self._procs_lock:
             for s in self.slots:
                 if s.running:
@@ -340,8 +385,11 @@ class Launcher:
             s.started_at = time.monotonic()
         self.coordinator.rank_started(s.slot, s.incarnation, started)
         self.log(f"rank {s.slot} pid {proc.pid} started")
+        who = {"slot": s.slot, "pid": proc.pid, "incarnation": s.incarnation, "generation": self.generation}
+        self.emit("started", **who)
         if s.incarnation > 0:
             self.log(f"rank {s.slot} respawned (incarnation {s.incarnation}, generation {self.generation})")
+            self.emit("respawned", **who)
 
     # ---- the loop ------------------------------------------------------------------------------
 
@@ -353,6 +401,7 @@ class Launcher:
         while True:
             if deadline is not None and time.monotonic() >= deadline:
                 self.log(f"timeout after {config.timeout:g} s: killing every rank")
+                self.emit("timeout", seconds=config.timeout)
                 for s in self.slots:
                     s.killed_at_timeout = s.running
                 self._kill_all()
@@ -390,6 +439,7 @@ class Launcher:
                     self.generation += 1
                     self.coordinator.stop()
                     self.log(f"restarting every rank from the checkpoint (generation {self.generation})")
+                    self.emit("restarting", generation=self.generation)
                     self._start_generation()
                     continue
             elif not running and not any(s.respawn_at is not None for s in self.slots):
@@ -414,15 +464,25 @@ class Launcher:
             _killpg(s.proc.pid)  # the rank's leftover children, if any
         s.returncode = code
         self.log(f"rank {s.slot} exited ({describe_returncode(code)})")
+        self.emit(
+            "exited",
+            slot=s.slot,
+            pid=s.proc.pid,
+            incarnation=s.incarnation,
+            code=code if code >= 0 else None,
+            signal=None if code >= 0 else describe_returncode(code).removeprefix("signal "),
+        )
         self.coordinator.rank_exited(RankExit(s.slot, s.incarnation, code, observed))
         if code == proto.RESTART_EXIT_CODE:
             if not self.restart_requested:
                 self.log(f"rank {s.slot} asked for a restart of the job from its checkpoint")
+                self.emit("restart_requested", slot=s.slot)
             self.restart_requested = True
             return
         if code == proto.STOP_EXIT_CODE:
             if not self.stopped:
                 self.log(f"rank {s.slot} stopped the job: training cannot go on in place (its log says why)")
+                self.emit("stopped", slot=s.slot)
             self.stopped = self.finished = True
             return
         if self.restart_requested or not respawn:
@@ -430,6 +490,7 @@ class Launcher:
         if code == 0 and not self.finished and s.slot in self._membership().members:
             self.finished = True
             self.log(f"rank {s.slot} completed training: the job is finished, no more respawns")
+            self.emit("completed", slot=s.slot)
         if self.config.respawn and not self.finished:
             self._schedule_respawn(s, code)
 
@@ -445,6 +506,7 @@ class Launcher:
         failures = len(s.quick_failures)
         if config.max_restarts is not None and failures > config.max_restarts:
             s.given_up = True
+            self.emit("given_up", slot=s.slot, failures=failures)
             self.log(
                 f"rank {s.slot} failed {failures} times in a row, each within {config.stable_seconds:g} s of its start "
                 f"({', '.join(s.quick_failures)}): not respawning it again (--max-restarts {config.max_restarts}); "
@@ -503,6 +565,7 @@ class Launcher:
     def _stop_on_signal(self) -> int:
         name = signal.Signals(self._signal).name
         self.log(f"got {name}: sending SIGTERM to every rank, SIGKILL after {self.config.grace:g} s")
+        self.emit("interrupted", signal=name)
         self.finished = True  # no respawns
         self._terminate([s for s in self.slots if s.running])
         return 128 + self._signal
@@ -550,6 +613,13 @@ class Launcher:
         with self._echo_lock:
             self._echo(f"{LOG_PREFIX} {message}")
 
+    def emit(self, event: str, **fields: object) -> None:
+        """One event of the ``events`` stream (nothing without one), written and flushed at once."""
+        with self._echo_lock:
+            if self._events_file is not None:
+                self._events_file.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
+                self._events_file.flush()
+
     def _truncate_logs(self) -> None:
         if self.config.log_dir is None:
             return
@@ -576,6 +646,7 @@ def launch(
     heartbeat: HeartbeatPolicy | None = None,
     echo: Callable[[str], None] | None = None,
     membership: bool = True,
+    events: Path | None = None,
 ) -> list[RankResult]:
     """Run ``python argv...`` as ranks 0..world_size-1 under a :class:`Launcher`.
 
@@ -595,6 +666,7 @@ def launch(
         python=python,
         heartbeat=heartbeat or HeartbeatPolicy(),
         membership=membership,
+        events=events,
     )
     launcher = Launcher(config, echo=echo or (lambda line: None))
     launcher.run()

@@ -24,9 +24,8 @@ import torch.distributed as dist  # noqa: E402
 import ds_recycle  # noqa: E402
 from ds_recycle.data import TokenWindowProvider, pipeline_iterator, shipped_corpus_tokens  # noqa: E402
 from ds_recycle.engine.routing import ACTIVATION, GRADIENT  # noqa: E402
-from ds_recycle.models import GPTConfig, build_gpt_pipeline  # noqa: E402
-
-MODEL = dict(seq_len=16, d_model=32, n_heads=4, n_layers=2)
+from ds_recycle.models import build_gpt_pipeline  # noqa: E402
+from ds_recycle.testing.tiny import TINY_GPT  # noqa: E402
 
 
 def _cast_outputs(model: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -54,7 +53,7 @@ def _record_sends(engine, sent: list[str]) -> None:
 
 def run_one(run: dict, pp: int, steps: int, out: Path) -> None:
     tokenizer, tokens = shipped_corpus_tokens()
-    cfg = GPTConfig(tokenizer.vocab_size, **MODEL)
+    cfg = TINY_GPT.config(tokenizer.vocab_size)
     model = build_gpt_pipeline(cfg, num_stages=pp, seed=0, activation_checkpoint_interval=run.get("checkpoint", 0))
     dtype = getattr(torch, run["config"]["torch_autocast"]["dtype"])
     if run.get("cast_stage_outputs") and model.stage_id < pp - 1:

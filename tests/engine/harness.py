@@ -13,18 +13,6 @@ from ds_recycle.runtime.launcher import launch
 WORKER = Path(__file__).with_name("worker.py")
 
 
-def ds_config(micro_batches: int, clip: float = 0.0, recycle: dict | None = None, mbs: int = 2) -> dict:
-    config = {
-        "train_micro_batch_size_per_gpu": mbs,
-        "gradient_accumulation_steps": micro_batches,
-        "steps_per_print": 10**9,
-        "gradient_clipping": clip,
-    }
-    if recycle is not None:
-        config["recycle"] = recycle
-    return config
-
-
 def run_ranks(tmp_path: Path, pp: int, dp: int, runs: list[dict], steps: int = 5, timeout: float = 300) -> dict:
     """Launch pp*dp ranks that execute ``runs``; return {run name: [rank dumps]}."""
     runs_file = tmp_path / "runs.json"

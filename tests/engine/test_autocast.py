@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import ds_config
 
 from ds_recycle.runtime.launcher import launch
+from ds_recycle.testing.tiny import ds_config
 
 pytestmark = pytest.mark.multiprocess
 
@@ -23,7 +23,7 @@ PP, DP, M = 2, 2, 4
 
 
 def _config(recycle: dict | None) -> dict:
-    config = ds_config(M, recycle=recycle)
+    config = ds_config(M, 0.0, recycle)
     config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
     return config
 

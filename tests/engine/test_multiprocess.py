@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import assert_bitwise_equal, ds_config, run_ranks
+from harness import assert_bitwise_equal, run_ranks
 
 from ds_recycle.data import TokenWindowProvider, shipped_corpus_tokens
-from ds_recycle.models import GPTConfig, GPTReference, lm_loss
+from ds_recycle.models import GPTReference, lm_loss
 from ds_recycle.planner.fault_free import fault_free_plan
 from ds_recycle.planner.list_scheduler import ScheduleOptions
 from ds_recycle.planner.lowering import lower, stream_kinds
+from ds_recycle.testing.tiny import TINY_GPT, ds_config
 
 pytestmark = pytest.mark.multiprocess
 
@@ -26,7 +27,7 @@ EVENT_KIND = {"ForwardPass": "F", "BackwardInput": "B", "BackwardWeight": "W", "
 
 def parity_runs(m: int) -> list[dict]:
     return [
-        {"name": f"{engine}-{opt}", "engine": engine, "optimizer": opt, "config": ds_config(m, recycle=recycle)}
+        {"name": f"{engine}-{opt}", "engine": engine, "optimizer": opt, "config": ds_config(m, 0.0, recycle)}
         for opt in ("sgd", "adam")
         for engine, recycle in (("stock", None), ("recycle", RECYCLE))
     ]
@@ -40,7 +41,7 @@ def topology_2x2(tmp_path_factory):
             "name": "disabled-sgd",
             "engine": "recycle",
             "optimizer": "sgd",
-            "config": ds_config(m, recycle={"enabled": False}),
+            "config": ds_config(m, 0.0, {"enabled": False}),
         },
         {"name": "clip-staggered", "engine": "recycle", "optimizer": "sgd", "config": ds_config(m, CLIP, RECYCLE)},
         {"name": "clip-never-hit", "engine": "recycle", "optimizer": "adam", "config": ds_config(m, 1e6, RECYCLE)},
@@ -51,12 +52,12 @@ def topology_2x2(tmp_path_factory):
             "config": ds_config(m, 0.0, RECYCLE),
             "checkpoint": 1,
         },
-        {"name": "stock-data", "engine": "stock", "optimizer": "adam", "config": ds_config(m), "data": "dataset"},
+        {"name": "stock-data", "engine": "stock", "optimizer": "adam", "config": ds_config(m, 0.0), "data": "dataset"},
         {
             "name": "recycle-data",
             "engine": "recycle",
             "optimizer": "adam",
-            "config": ds_config(m, recycle=RECYCLE),
+            "config": ds_config(m, 0.0, RECYCLE),
             "data": "dataset",
         },
         {
@@ -80,15 +81,15 @@ def topology_4x1(tmp_path_factory):
             "name": "emulated-staggered",
             "engine": "recycle",
             "optimizer": "sgd",
-            "config": ds_config(m, recycle=staggered),
+            "config": ds_config(m, 0.0, staggered),
         },
-        {"name": "emulated-sync", "engine": "recycle", "optimizer": "sgd", "config": ds_config(m, recycle=synchronous)},
+        {"name": "emulated-sync", "engine": "recycle", "optimizer": "sgd", "config": ds_config(m, 0.0, synchronous)},
         {"name": "clip-staggered", "engine": "recycle", "optimizer": "sgd", "config": ds_config(m, CLIP, RECYCLE)},
         {
             "name": "undecoupled-synchronous",
             "engine": "recycle",
             "optimizer": "sgd",
-            "config": ds_config(m, recycle={"decoupled_backprop": False, "staggered_optimizer": False}),
+            "config": ds_config(m, 0.0, {"decoupled_backprop": False, "staggered_optimizer": False}),
         },
     ]
     return 4, 1, m, run_ranks(tmp_path_factory.mktemp("pp4dp1"), pp=4, dp=1, runs=runs, steps=STEPS)
@@ -154,7 +155,7 @@ def torch_reference(dumps: list[dict], dp: int, m: int, optimizer: str, clip: fl
     to rounding (the attention key bias) becomes a full-size step whose sign is the rounding noise's,
     and no tolerance separates that from a real error."""
     tokenizer, tokens = shipped_corpus_tokens()
-    cfg = GPTConfig(tokenizer.vocab_size, seq_len=16, d_model=32, n_heads=4, n_layers=2)
+    cfg = TINY_GPT.config(tokenizer.vocab_size)
     model = GPTReference(cfg)
     initial = {}
     for dump in sorted(dumps, key=lambda d: -d["stage"]):  # the first stage's copy of the tied weight wins

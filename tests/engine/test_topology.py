@@ -13,24 +13,18 @@ import pytest
 import torch
 
 from ds_recycle.runtime.launcher import launch
+from ds_recycle.testing.tiny import TINY_GPT, ds_config
 
 pytestmark = pytest.mark.multiprocess
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIG = {
-    "train_micro_batch_size_per_gpu": 2,
-    "gradient_accumulation_steps": 4,
-    "steps_per_print": 10**9,
-    "gradient_clipping": 0.0,
-    "recycle": {"enabled": True},
-}
 
 
 def train(tmp_path: Path, name: str, *extra: str) -> dict[int, dict]:
     config = tmp_path / f"{name}.json"
-    config.write_text(json.dumps({**CONFIG, "recycle": {"enabled": name != "stock"}}))
+    config.write_text(json.dumps(ds_config(4, 0.0, {"enabled": name != "stock"})))
     argv = [str(ROOT / "examples" / "train_gpt.py"), "--deepspeed_config", str(config), "--steps", "6"]
-    argv += ["--layers", "2", "--d-model", "32", "--seq-len", "16", "--optimizer", "adam", "--lr", "0.01"]
+    argv += [*TINY_GPT.script_args(), "--optimizer", "adam", "--lr", "0.01"]
     argv += ["--pipeline-major", "--dump", str(tmp_path / name), *extra]
     results = launch(argv, world_size=4, timeout=240, log_dir=tmp_path / f"{name}_logs")
     assert all(r.ok for r in results), [r.log[-3000:] for r in results if not r.ok]

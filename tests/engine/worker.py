@@ -21,9 +21,8 @@ import torch.distributed as dist  # noqa: E402
 
 import ds_recycle  # noqa: E402
 from ds_recycle.data import TokenWindowProvider, pipeline_iterator, shipped_corpus_tokens  # noqa: E402
-from ds_recycle.models import GPTConfig, build_gpt_pipeline  # noqa: E402
-
-MODEL = dict(seq_len=16, d_model=32, n_heads=4, n_layers=2)
+from ds_recycle.models import build_gpt_pipeline  # noqa: E402
+from ds_recycle.testing.tiny import TINY_GPT  # noqa: E402
 
 
 class TokenWindows(torch.utils.data.Dataset):
@@ -42,7 +41,7 @@ class TokenWindows(torch.utils.data.Dataset):
 
 def run_one(run: dict, pp: int, steps: int, out: Path) -> None:
     tokenizer, tokens = shipped_corpus_tokens()
-    cfg = GPTConfig(tokenizer.vocab_size, **MODEL)
+    cfg = TINY_GPT.config(tokenizer.vocab_size)
     model = build_gpt_pipeline(
         cfg, num_stages=pp, seed=run.get("seed", 0), activation_checkpoint_interval=run.get("checkpoint", 0)
     )

@@ -4,7 +4,7 @@
   ``HF_KILL_AFTER`` ends.
 - ``HF_PROGRESS_DIR``: each rank writes its Trainer step to ``progress<rank>`` after every step, and
   waits at the step's end while ``hold`` there names a step it has reached (the test's pacing: a
-  respawned rank re-joins before the job ends), as tests/runtime/membership_worker.py does.
+  respawned rank re-joins before the job ends), as ds_recycle/testing/worker.py does.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from ds_recycle.integrations.hf_trainer import RecycleTrainer
+from ds_recycle.testing.rank import report_progress, wait_while_held
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_trainer_llama.py"
 
@@ -41,18 +42,8 @@ class ProgressAndHold(TrainerCallback):
         self.rank = int(os.environ["RANK"])
 
     def on_step_end(self, args, state, control, **kwargs):
-        partial = self.out / f"progress{self.rank}.partial"
-        partial.write_text(str(state.global_step))
-        os.replace(partial, self.out / f"progress{self.rank}")
-        while (held := _held_at(self.out / "hold")) is not None and state.global_step >= held:
-            time.sleep(0.01)
-
-
-def _held_at(hold: Path) -> int | None:
-    try:
-        return int(hold.read_text())
-    except FileNotFoundError:
-        return None
+        report_progress(self.out, self.rank, state.global_step)
+        wait_while_held(self.out / "hold", lambda: state.global_step, period=0.01)
 
 
 def main() -> None:

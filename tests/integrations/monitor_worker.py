@@ -23,7 +23,8 @@ import torch  # noqa: E402
 
 import ds_recycle  # noqa: E402
 from ds_recycle.data import TokenWindowProvider, shipped_corpus_tokens  # noqa: E402
-from ds_recycle.models import GPTConfig, build_gpt_pipeline  # noqa: E402
+from ds_recycle.models import build_gpt_pipeline  # noqa: E402
+from ds_recycle.testing.tiny import TINY_GPT  # noqa: E402
 
 
 def main() -> None:
@@ -40,7 +41,7 @@ def main() -> None:
     rank = int(os.environ["RANK"])
 
     tokenizer, tokens = shipped_corpus_tokens()
-    cfg = GPTConfig(tokenizer.vocab_size, seq_len=16, d_model=32, n_heads=4, n_layers=2)
+    cfg = TINY_GPT.config(tokenizer.vocab_size)
     model = build_gpt_pipeline(cfg, num_stages=2, seed=0)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=5e-2)
     config = json.loads(args.config.read_text())

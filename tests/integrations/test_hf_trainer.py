@@ -190,7 +190,7 @@ def test_a_killed_rank_rejoins_and_the_trainer_takes_up_the_job(runs, tmp_path, 
     outside after step 2; the survivors wait at step 3 until its respawn's join is accepted; it
     re-joins (the Trainer takes up the engine's step, epoch, data position, LR and log
     history), and every rank ends with the fault-free parameters and the fault-free logged losses."""
-    from recycle_job import Job
+    from ds_recycle.testing.jobs import Job
 
     out = tmp_path / "rejoin"
     argv = [str(HERE / "hf_kill_worker.py"), *example_arguments(out)]
@@ -201,8 +201,8 @@ def test_a_killed_rank_rejoins_and_the_trainer_takes_up_the_job(runs, tmp_path, 
         job.wait_until(lambda: job.progress(killed) >= 2, f"rank {killed} at step 2", timeout=180)
         job.hold(3)
         os.kill(job.pids[killed], signal.SIGKILL)
-        job.wait_for_line(rf"published failure of slot {killed} ")
-        job.wait_for_line(rf"accepted join of slot {killed} ", timeout=180)
+        job.wait_for_event("published_failure", slot=killed)
+        job.wait_for_event("accepted", timeout=180, kind="join", slot=killed)
         job.hold(None)
     except BaseException:
         job.kill()

@@ -30,6 +30,7 @@ class Harness:
         self.store.set(proto.epoch_key(0), Membership(0, tuple(range(WORLD)), 0).to_json())
         self.store.set(proto.CURRENT_EPOCH, "0")
         self.lines: list[str] = []
+        self.events: list[dict] = []
         self.killed: list[tuple[int, int]] = []
         self.coordinator = Coordinator(
             "127.0.0.1",
@@ -40,6 +41,7 @@ class Harness:
             log=self.lines.append,
             kill=lambda slot, incarnation: self.killed.append((slot, incarnation)),
             policy=policy,
+            events=lambda event, **fields: self.events.append({"event": event, **fields}),
         )
         self.started = time.time()
         for slot in range(WORLD):
@@ -139,6 +141,26 @@ def test_waitpid_exit_of_a_member_is_published_once_as_a_failure(harness):
     h.wait_for_line("published failure of slot 2 (signal SIGKILL while its join was pending) in epoch 1")
     assert [(c.kind, c.slot) for c in h.pending()][-1] == (proto.FAILED, 2)
     assert h.alerts() == 3
+
+
+def test_every_decision_it_logs_is_also_a_structured_event(harness):
+    h = harness
+    h.request(proto.JOIN, 1, token="b" * 32, pid=777)
+    h.wait_for_line("refused join request for slot 1 from pid 777")
+    h.request(proto.LEAVE, 3)
+    h.wait_for_line("accepted leave of slot 3")
+    h.coordinator.rank_exited(RankExit(slot=3, incarnation=0, returncode=-9, observed=time.time()))
+    h.wait_for_line("published failure of slot 3 (signal SIGKILL while leaving)")
+    h.coordinator.rank_exited(RankExit(slot=2, incarnation=0, returncode=1, observed=time.time()))
+    h.wait_for_line("published failure of slot 2 (code 1)")
+    events = [{k: v for k, v in e.items() if k != "latency_ms"} for e in h.events]
+    assert events == [
+        {"event": "refused", "index": 1, "kind": "join", "slot": 1, "pid": 777, "reason": "wrong token"},
+        {"event": "accepted", "kind": "leave", "slot": 3, "pid": 4242},
+        {"event": "published_failure", "slot": 3, "cause": "exit", "why": "signal SIGKILL while leaving", "epoch": 0},
+        {"event": "published_failure", "slot": 2, "cause": "exit", "why": "code 1", "epoch": 0},
+    ]
+    assert all(e["latency_ms"] >= 0 for e in h.events if e["event"] == "published_failure")
 
 
 def test_a_probe_publishes_members_that_ended_without_a_failure(harness):

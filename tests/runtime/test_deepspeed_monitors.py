@@ -14,6 +14,8 @@ import time
 import pytest
 
 from ds_recycle.runtime.launcher import LaunchConfig, Launcher
+from ds_recycle.testing.launch_events import LaunchEvents
+from ds_recycle.testing.tiny import ds_config
 
 pytestmark = pytest.mark.multiprocess
 
@@ -24,13 +26,14 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch
 import ds_recycle
 from ds_recycle.data import TokenWindowProvider, shipped_corpus_tokens
-from ds_recycle.models import GPTConfig, build_gpt_pipeline
+from ds_recycle.models import build_gpt_pipeline
+from ds_recycle.testing.tiny import TINY_GPT
 
 out, config = sys.argv[1], json.loads(sys.argv[2])
 torch.set_num_threads(1)
 ds_recycle.init_distributed()
 tokenizer, tokens = shipped_corpus_tokens()
-cfg = GPTConfig(tokenizer.vocab_size, seq_len=16, d_model=32, n_heads=4, n_layers=2)
+cfg = TINY_GPT.config(tokenizer.vocab_size)
 model = build_gpt_pipeline(cfg, num_stages=2, seed=0)
 provider = TokenWindowProvider(tokens, cfg.seq_len, config["train_micro_batch_size_per_gpu"], seed=0)
 engine, *_ = ds_recycle.initialize(
@@ -46,22 +49,17 @@ while engine.global_steps < STEPS:
 
 def test_recycle_events_reach_deepspeeds_csv_monitor_across_the_leaders_death(tmp_path):
     csv_dir = tmp_path / "csv"
-    config = {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": 2,
-        "steps_per_print": 10**9,
-        "gradient_clipping": 0.0,
-        "csv_monitor": {"enabled": True, "output_path": str(csv_dir), "job_name": "job"},
-        "recycle": {"enabled": True, "emulate_timing": {"F": 5, "B": 5, "W": 5}},
-    }
+    monitor = {"enabled": True, "output_path": str(csv_dir), "job_name": "job"}
+    config = ds_config(2, 0.0, {"enabled": True, "emulate_timing": {"F": 5, "B": 5, "W": 5}}, csv_monitor=monitor)
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     lines: list[str] = []
+    events = LaunchEvents(tmp_path / "events.jsonl")
+    argv = [str(script), str(tmp_path), json.dumps(config)]
     launcher = Launcher(
-        LaunchConfig(argv=[str(script), str(tmp_path), json.dumps(config)], nproc=4, timeout=180, log_dir=tmp_path),
-        echo=lines.append,
+        LaunchConfig(argv=argv, nproc=4, timeout=180, log_dir=tmp_path, events=events.path), echo=lines.append
     )
-    killer = threading.Thread(target=_kill_rank_0_at_iteration_3, args=(tmp_path, lines), daemon=True)
+    killer = threading.Thread(target=_kill_rank_0_at_iteration_3, args=(tmp_path, events), daemon=True)
     killer.start()
     code = launcher.run()
     killer.join(timeout=5)
@@ -76,13 +74,13 @@ def test_recycle_events_reach_deepspeeds_csv_monitor_across_the_leaders_death(tm
     assert _column(series / "Recycle_live_workers_stage_1.csv") == [2.0]
 
 
-def _kill_rank_0_at_iteration_3(tmp_path, lines: list[str]) -> None:
+def _kill_rank_0_at_iteration_3(tmp_path, events: LaunchEvents) -> None:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        pids = [line.split()[-2] for line in list(lines) if "rank 0 pid" in line]
+        pids = events.pids()
         progress = tmp_path / "progress0"
-        if pids and progress.exists() and progress.read_text().strip() in {"3", "4"}:
-            os.kill(int(pids[0]), signal.SIGKILL)
+        if 0 in pids and progress.exists() and progress.read_text().strip() in {"3", "4"}:
+            os.kill(pids[0], signal.SIGKILL)
             return
         time.sleep(0.01)
 

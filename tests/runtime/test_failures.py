@@ -16,7 +16,8 @@ import re
 import signal
 
 import pytest
-from recycle_job import (
+
+from ds_recycle.testing.jobs import (
     Job,
     assert_final_states,
     assert_same_as_fault_free,
@@ -40,13 +41,13 @@ def run_faults(job: Job, faults: list[tuple[list[int], int]]) -> None:
     the previous fault's re-join (about DEGRADED_ITERATIONS + 2 iterations after it): a rank parked
     early would stall the job while the test waits for the re-joined rank to train."""
     for slots, sig in faults:
-        joins = {s: job.count(rf"accepted join of slot {s} ") for s in slots}
+        joins = {s: job.count_events("accepted", kind="join", slot=s) for s in slots}
         for s in slots:
             job.signal_when_trapped(s, sig)
         iteration = max(job.progress(s) for s in range(job.pp * job.dp))
         hold_degraded(job, iteration)
         for s in slots:
-            job.wait_for_line(rf"rank {s} exited \(signal SIGKILL\)")
+            job.wait_for_event("exited", slot=s, signal="SIGKILL")
         rejoin(job, slots, iteration, joins)
 
 
@@ -104,7 +105,7 @@ def test_d_minus_one_workers_of_a_stage_and_a_second_failure_during_recovery(tmp
     job.start()
     try:
         run_faults(job, [(first, signal.SIGKILL)])
-        joins = {s: job.count(rf"accepted join of slot {s} ") for s in (then, during_recovery)}
+        joins = {s: job.count_events("accepted", kind="join", slot=s) for s in (then, during_recovery)}
         job.signal_when_trapped(then)
         job.signal_when_trapped(during_recovery, signal.SIGSTOP)
         iteration = max(job.progress(s) for s in range(pp * dp))
@@ -178,12 +179,12 @@ def test_a_failure_and_a_join_decided_in_one_recovery(tmp_path, tmp_path_factory
     job.start()
     try:
         job.signal_when_trapped(joiner)
-        job.wait_for_line(rf"accepted join of slot {joiner} ")
+        job.wait_for_event("accepted", kind="join", slot=joiner)
         os.kill(job.pids[victim], signal.SIGKILL)
-        job.wait_for_line(rf"published failure of slot {victim} ")
+        job.wait_for_event("published_failure", slot=victim)
         iteration = max(job.progress(s) for s in range(pp * dp))
         hold_degraded(job, iteration)
-        job.wait_for_line(rf"rank {victim} exited \(signal SIGKILL\)")
+        job.wait_for_event("exited", slot=victim, signal="SIGKILL")
         rejoin(job, [victim], iteration, {victim: 0})
     except BaseException:
         job.kill()

@@ -11,6 +11,7 @@ import json
 import pytest
 
 from ds_recycle.runtime.launcher import launch
+from ds_recycle.testing.tiny import ds_config
 
 pytestmark = pytest.mark.multiprocess
 
@@ -20,7 +21,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import deepspeed, torch
 import ds_recycle
 from ds_recycle.data import TokenWindowProvider, shipped_corpus_tokens
-from ds_recycle.models import GPTConfig, build_gpt_pipeline
+from ds_recycle.models import build_gpt_pipeline
+from ds_recycle.testing.tiny import TINY_GPT
 
 form, config = sys.argv[1], json.loads(sys.argv[2])
 torch.set_num_threads(1)
@@ -29,7 +31,7 @@ if form == "deepspeed":
 else:
     ds_recycle.init_distributed()
 tokenizer, tokens = shipped_corpus_tokens()
-cfg = GPTConfig(tokenizer.vocab_size, seq_len=16, d_model=32, n_heads=4, n_layers=2)
+cfg = TINY_GPT.config(tokenizer.vocab_size)
 model = build_gpt_pipeline(cfg, num_stages=2, seed=0)
 provider = TokenWindowProvider(tokens, cfg.seq_len, config["train_micro_batch_size_per_gpu"], seed=0)
 engine, *_ = ds_recycle.initialize(
@@ -40,13 +42,7 @@ while engine.global_steps < 2:
 print("trained", engine.global_steps)
 """
 
-CONFIG = {
-    "train_micro_batch_size_per_gpu": 2,
-    "gradient_accumulation_steps": 2,
-    "steps_per_print": 10**9,
-    "gradient_clipping": 0.0,
-    "recycle": {"enabled": True},
-}
+CONFIG = ds_config(2, 0.0, {"enabled": True})
 
 
 def run(tmp_path, form: str):

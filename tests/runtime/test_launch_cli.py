@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 
 from ds_recycle.runtime import protocol as proto
+from ds_recycle.testing.launch_events import LaunchEvents
 
 pytestmark = pytest.mark.multiprocess
 
 ROOT = Path(__file__).resolve().parents[2]
-STARTED = re.compile(r"rank (\d+) pid (\d+) started")
 
 STORE_CLIENT = """
 import json, os, sys, time
@@ -59,14 +59,14 @@ def wait_for(condition, what, timeout=60):
 
 
 class Job:
-    """The launcher as a subprocess whose stdout lines are collected by a thread."""
+    """The launcher as a subprocess whose stdout lines are collected by a thread, its events in ``events``."""
 
-    def __init__(self, args: list[str], timeout: float = 60.0) -> None:
+    def __init__(self, args: list[str], events: Path, timeout: float = 60.0) -> None:
         self.timeout = timeout
         self.lines: list[str] = []
-        self.pids: dict[int, int] = {}
+        self.events = LaunchEvents(events)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ds_recycle.cli", "launch", *args],
+            [sys.executable, "-m", "ds_recycle.cli", "launch", "--events", str(events), *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -77,12 +77,13 @@ class Job:
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
+    @property
+    def pids(self) -> dict[int, int]:
+        return self.events.pids()
+
     def _read(self) -> None:
         for line in self.proc.stdout:
             self.lines.append(line.rstrip())
-            match = STARTED.search(line)
-            if match:
-                self.pids[int(match.group(1))] = int(match.group(2))
 
     def wait_for(self, pattern: str, count: int = 1, timeout: float = 60.0) -> str:
         regex = re.compile(pattern)
@@ -113,11 +114,11 @@ class Job:
 
 
 @pytest.fixture
-def jobs():
+def jobs(tmp_path):
     started: list[Job] = []
 
     def start(args: list[str], timeout: float = 60.0) -> Job:
-        job = Job(args, timeout)
+        job = Job(args, tmp_path / f"events{len(started)}.jsonl", timeout)
         started.append(job)
         return job
 
@@ -178,6 +179,36 @@ def test_sigkill_from_outside_is_published_and_the_rank_respawns_and_joins(tmp_p
     assert changes[0].detail == "signal SIGKILL" and alert == "1"
     print(f"SIGKILL -> waitpid observed: {1000 * (changes[0].time - killed):.1f} ms; {line}")
     assert (logs / "rank1.log").exists()
+
+
+def test_the_event_stream_holds_what_the_log_says(tmp_path, jobs):
+    """``--events``: the same job as above, watched through its JSON lines."""
+    script = write(tmp_path, "ranks.py", RESPAWN_SCRIPT)
+    job = jobs(["--nproc", "2", "--respawn", "--respawn-delay", "0.1", "--timeout", "60", script, str(tmp_path)])
+    refused = job.events.wait_for("refused", kind="join", slot=1, alive=lambda: job.proc.poll() is None)
+    assert refused["reason"] == "wrong token"
+    victim = job.pids[1]
+    os.kill(victim, signal.SIGKILL)
+    assert job.finish() == 0, "\n".join(job.lines)
+    events = job.events.poll()
+    assert events[0]["event"] == "store" and (events[-1]["event"], events[-1]["code"]) == ("ended", 0)
+    assert all(a["time"] <= b["time"] for a, b in zip(events, events[1:], strict=False))
+    kinds = ("started", "respawned", "exited", "refused", "published_failure")
+    keys = ("event", "slot", "incarnation", "code", "signal", "cause", "why")
+    mine = [{k: e[k] for k in keys if k in e} for e in events if e.get("slot") == 1 and e["event"] in kinds]
+    assert mine == [
+        {"event": "started", "slot": 1, "incarnation": 0},
+        {"event": "refused", "slot": 1},
+        {"event": "exited", "slot": 1, "incarnation": 0, "code": None, "signal": "SIGKILL"},
+        {"event": "published_failure", "slot": 1, "cause": "exit", "why": "signal SIGKILL"},
+        {"event": "started", "slot": 1, "incarnation": 1},
+        {"event": "respawned", "slot": 1, "incarnation": 1},
+        {"event": "exited", "slot": 1, "incarnation": 1, "code": 0, "signal": None},
+    ], mine
+    assert job.events.select("exited", slot=1)[0]["pid"] == victim
+    assert [(e["code"], e["signal"]) for e in job.events.select("exited", slot=0)] == [(0, None)]
+    lines = [x for x in job.lines if re.search(r"rank \d (pid \d+ started|exited|respawned)", x)]
+    assert len(lines) == sum(e["event"] in ("started", "exited", "respawned") for e in events)
 
 
 HEARTBEAT_SCRIPT = (
@@ -320,6 +351,8 @@ def test_sigterm_to_the_launcher_is_forwarded_then_stragglers_are_killed(tmp_pat
         (["--nproc", "2", "--timeout", "0", "{script}"], "--timeout 0"),
         (["--nproc", "2", "--timeout", "nan", "{script}"], "--timeout nan"),
         (["--nproc", "2", "--log-dir", "{script}/logs", "{script}"], "--log-dir"),
+        (["--nproc", "2", "--events", "{tmp}", "{script}"], "--events"),
+        (["--nproc", "2", "--events", "{tmp}/missing/events.jsonl", "{script}"], "--events"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line_before_starting_anything(tmp_path, args, names):

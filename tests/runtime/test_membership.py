@@ -10,7 +10,8 @@ per stage.
 from __future__ import annotations
 
 import pytest
-from recycle_job import Job, assert_same_as_fault_free, fault_free, hold_degraded, job_config, rejoin, slot
+
+from ds_recycle.testing.jobs import Job, assert_same_as_fault_free, fault_free, hold_degraded, job_config, rejoin, slot
 
 pytestmark = pytest.mark.multiprocess
 
@@ -36,12 +37,12 @@ def test_leave_and_rejoin_keeps_fault_free_math(tmp_path, tmp_path_factory, pp, 
         iteration = 2
         for workers in events:
             slots = [slot(dp, p, s) for p, s in workers]
-            exits = {s: job.count(rf"rank {s} exited \(code 0\)") for s in slots}
-            joins = {s: job.count(rf"accepted join of slot {s} ") for s in slots}
+            exits = {s: job.count_events("exited", slot=s, code=0) for s in slots}
+            joins = {s: job.count_events("accepted", kind="join", slot=s) for s in slots}
             job.signal_at(slots, iteration)  # SIGTERM: leave at the next boundary
             hold_degraded(job, iteration)
             for s in slots:
-                job.wait_for_line(rf"rank {s} exited \(code 0\)", exits[s] + 1)
+                job.wait_for_event("exited", exits[s] + 1, slot=s, code=0)
             rejoin(job, slots, iteration, joins)
             iteration = max(job.progress(s) for s in range(pp * dp)) + 2
     except BaseException:

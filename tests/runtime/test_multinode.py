@@ -18,7 +18,9 @@ import time
 from pathlib import Path
 
 import pytest
-from recycle_job import WORKER, Job, assert_same_as_fault_free, fault_free, job_config
+
+from ds_recycle.testing.jobs import WORKER, Job, assert_same_as_fault_free, fault_free, job_config
+from ds_recycle.testing.launch_events import LaunchEvents
 
 pytestmark = pytest.mark.multiprocess
 
@@ -26,18 +28,19 @@ PP, DP = 2, 3
 NODES, PER_NODE = 3, 2
 STEPS = 24
 TOKEN = "multinode-test-token-0123456789"
-STARTED = re.compile(r"rank (\d+) pid (\d+) started")
 
 
 class Agent:
-    """One node's ``ds-recycle launch`` process, its output read in a thread."""
+    """One node's ``ds-recycle launch`` process, its output read in a thread, its events watched."""
 
     def __init__(self, job: Job, node: int, port: int, incarnation: int = 0, nodes: int = NODES) -> None:
         logs = job.tmp / "logs" / f"node{node}.{incarnation}"
+        self.events = LaunchEvents(job.tmp / f"events{node}.{incarnation}.jsonl")
         command = [sys.executable, "-m", "ds_recycle.cli", "launch", "--nnodes", str(nodes)]
         command += ["--node-rank", str(node), "--nproc-per-node", str(PER_NODE)]
         command += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--node-lease", "2", "--respawn"]
         command += ["--respawn-delay", "0.2", "--timeout", "300", "--log-dir", str(logs)]
+        command += ["--events", str(self.events.path)]
         command += [str(WORKER), "--pp", str(job.pp), "--steps", str(STEPS), "--optimizer", "adam"]
         command += ["--config", str(job.tmp / "ds_config.json"), "--out", str(job.out)]
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "DS_RECYCLE_TOKEN": TOKEN}
@@ -45,16 +48,16 @@ class Agent:
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
         )
         self.lines: list[str] = []
-        self.pids: dict[int, int] = {}
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+
+    @property
+    def pids(self) -> dict[int, int]:
+        return self.events.pids()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
             self.lines.append(line.rstrip())
-            match = STARTED.search(line)
-            if match:
-                self.pids[int(match.group(1))] = int(match.group(2))
 
     def kill_node(self) -> None:
         """A node crash: the agent's whole process group, SIGKILL (its ranks die with it)."""
@@ -135,8 +138,9 @@ def test_a_node_lost_as_a_whole_is_survived_and_readmitted(tmp_path, tmp_path_fa
         survivors = [s for s in range(PP * DP) if s not in lost_slots]
         wait_until(lambda: min(job.progress(s) for s in survivors) > iteration, "survivors on the new plan", agents)
         agents.append(Agent(job, lost, port, incarnation=1))
+        coordinator = agents[0].events
         for s in lost_slots:
-            wait_until(lambda s=s: count(agents[:1], rf"accepted join of slot {s} ") == 1, f"slot {s}'s join", agents)
+            wait_until(lambda s=s: coordinator.count("accepted", kind="join", slot=s) == 1, f"slot {s}'s join", agents)
         job.hold(None)
         live = [agents[0], agents[1], agents[-1]]
         wait_until(lambda: all(a.proc.poll() is not None for a in live), "the job's end", agents, 240)

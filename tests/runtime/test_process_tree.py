@@ -14,7 +14,8 @@ from __future__ import annotations
 import signal
 
 import pytest
-from recycle_job import Job, assert_same_as_fault_free, fault_free, hold_degraded, job_config, rejoin, slot
+
+from ds_recycle.testing.jobs import Job, assert_same_as_fault_free, fault_free, hold_degraded, job_config, rejoin, slot
 
 pytestmark = pytest.mark.multiprocess
 
@@ -33,13 +34,13 @@ def test_sigterm_to_every_process_of_a_rank_tree_means_leave(tmp_path, tmp_path_
         iteration = 2
         for workers in events:
             slots = [slot(DP, p, s) for p, s in workers]
-            exits = {s: job.count(rf"rank {s} exited \(code 0\)") for s in slots}
-            joins = {s: job.count(rf"accepted join of slot {s} ") for s in slots}
+            exits = {s: job.count_events("exited", slot=s, code=0) for s in slots}
+            joins = {s: job.count_events("accepted", kind="join", slot=s) for s in slots}
             reached = job.signal_tree_at(slots, iteration, signal.SIGTERM)
             assert len(reached) > len(slots), f"the ranks' trees hold helpers: {reached}"
             hold_degraded(job, iteration)
             for s in slots:
-                job.wait_for_line(rf"rank {s} exited \(code 0\)", exits[s] + 1)
+                job.wait_for_event("exited", exits[s] + 1, slot=s, code=0)
             rejoin(job, slots, iteration, joins)
             iteration = max(job.progress(s) for s in range(PP * DP)) + 2
     except BaseException:
@@ -64,15 +65,15 @@ def test_a_leaver_killed_before_its_boundary_and_a_joiner_killed_while_pending(t
     try:
         job.wait_until(lambda: (job.out / f"trapped{leaver}").exists(), f"slot {leaver} to reach its trap")
         job.signal_tree_at([leaver], 0, signal.SIGTERM)
-        job.wait_for_line(rf"accepted leave of slot {leaver} ")
+        job.wait_for_event("accepted", kind="leave", slot=leaver)
         job.signal_tree_at([leaver], 0, signal.SIGKILL)
-        job.wait_for_line(rf"published failure of slot {leaver} \(signal SIGKILL while leaving\)")
+        job.wait_for_event("published_failure", slot=leaver, why="signal SIGKILL while leaving")
         iteration = max(job.progress(s) for s in range(PP * DP))
         hold_degraded(job, iteration)
-        job.wait_for_line(rf"accepted join of slot {leaver} ")
+        job.wait_for_event("accepted", kind="join", slot=leaver)
         recoveries = job.count_in_rank_logs(r"recovery decision")
         job.signal_tree_at([leaver], 0, signal.SIGKILL)  # the respawn: it started before it asked
-        job.wait_for_line(rf"published failure of slot {leaver} \(signal SIGKILL while its join was pending\)")
+        job.wait_for_event("published_failure", slot=leaver, why="signal SIGKILL while its join was pending")
         rejoin(job, [leaver], iteration, {leaver: 1})
         assert job.count_in_rank_logs(r"recovery decision") == recoveries, (
             "a pending joiner's death cost the survivors nothing"

@@ -1,8 +1,14 @@
 """Run a ReCycle job under ``ds-recycle launch`` and act on it from outside, as an operator would.
 
-:class:`Job` starts the launcher as a subprocess, reads its event lines (``rank R pid P started``),
-watches each slot's progress file, and sends real signals to the ranks' PIDs. Every wait is
-bounded; on any error the launcher's process group is killed, by PID.
+:class:`Job` starts the launcher as a subprocess with ``--events``, watches its event stream
+(:class:`~ds_recycle.testing.launch_events.LaunchEvents`: which process each slot runs, exits,
+failures, accepted joins) and each slot's progress file, and sends real signals to the ranks' PIDs.
+It keeps the launcher's log lines too (``count`` and ``wait_for_line`` look for a line: the tests
+check what a user reads). Every wait is bounded; on any error the launcher's process group is
+killed, by PID.
+
+The rest of the module is the one job shape of the membership and failure tests and benchmarks,
+and the checks of a job against a fault-free run of it.
 """
 
 from __future__ import annotations
@@ -15,24 +21,17 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-import pytest
 import torch
 
-WORKER = Path(__file__).with_name("membership_worker.py")
-STARTED = re.compile(r"rank (\d+) pid (\d+) started")
+from ds_recycle.testing.launch_events import LaunchEvents
+from ds_recycle.testing.tiny import ds_config
 
-
-def ds_config(micro_batches: int, clip: float, recycle: dict | None = None) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": micro_batches,
-        "steps_per_print": 10**9,
-        "gradient_clipping": clip,
-        "recycle": {"enabled": True, **(recycle or {})},
-    }
+WORKER = Path(__file__).with_name("worker.py")
 
 
 @dataclass
@@ -46,10 +45,10 @@ class Job:
     respawn: bool = True
     timeout: float = 240.0
     traps: list[str] = field(default_factory=list)
-    """``SLOT:POINT:ITERATION``: where a rank parks for the test's signal (membership_worker.arm)."""
+    """``SLOT:POINT:ITERATION``: where a rank parks for the test's signal (ds_recycle.testing.faults)."""
     launcher_args: list[str] = field(default_factory=list)
-    worker: Path = WORKER
-    """The rank script; it takes --pp --steps --optimizer --config --out [--trap ...] [--data ...] [--helpers]."""
+    worker_args: list[str] = field(default_factory=list)
+    """More options of the rank script (ds_recycle/testing/worker.py: --trap-files, --gate, --timings)."""
     data: str = "provider"
     """``training_data``: ``provider`` or ``dataset`` (map-style)."""
     helpers: bool = False
@@ -58,24 +57,31 @@ class Job:
     """Another rank script and its arguments (it writes ``out/progress<slot>`` and honours ``out/hold``)."""
     env: dict[str, str] = field(default_factory=dict)
     lines: list[str] = field(default_factory=list)
-    pids: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.out = self.tmp / "out"
         self.out.mkdir(parents=True, exist_ok=True)
         (self.tmp / "ds_config.json").write_text(json.dumps(self.config))
+        self.events = LaunchEvents(self.tmp / "events.jsonl")
+
+    @property
+    def pids(self) -> dict[int, int]:
+        """Each slot's current process (its latest start)."""
+        return self.events.pids()
 
     def start(self) -> Job:
         launcher = [sys.executable, "-m", "ds_recycle.cli", "launch", "--nproc", str(self.pp * self.dp)]
         if self.respawn:
             launcher += ["--respawn", "--respawn-delay", "0.2"]
-        launcher += ["--timeout", str(self.timeout), "--log-dir", str(self.tmp / "logs"), *self.launcher_args]
+        launcher += ["--timeout", str(self.timeout), "--log-dir", str(self.tmp / "logs")]
+        launcher += ["--events", str(self.events.path), *self.launcher_args]
         script = self.argv or [
-            str(self.worker),
+            str(WORKER),
             *("--pp", str(self.pp), "--steps", str(self.steps), "--optimizer", self.optimizer),
             *("--config", str(self.tmp / "ds_config.json"), "--out", str(self.out), "--data", self.data),
             *(arg for trap in self.traps for arg in ("--trap", trap)),
             *(["--helpers"] if self.helpers else []),
+            *self.worker_args,
         ]
         env = {**os.environ, "DS_ACCELERATOR": "cpu", **self.env}
         self.proc = subprocess.Popen(
@@ -93,15 +99,12 @@ class Job:
     def _read(self) -> None:
         for line in self.proc.stdout:
             self.lines.append(line.rstrip())
-            match = STARTED.search(line)
-            if match:
-                self.pids[int(match.group(1))] = int(match.group(2))
 
     def progress(self, slot: int) -> int:
         path = self.out / f"progress{slot}"
         return int(path.read_text() or 0) if path.exists() else 0
 
-    def wait_until(self, condition, what: str, timeout: float = 120.0) -> None:
+    def wait_until(self, condition: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if condition():
@@ -147,7 +150,17 @@ class Job:
         partial.write_text(str(iteration))
         os.replace(partial, path)
 
+    def count_events(self, event: str, **match: Any) -> int:
+        """How many ``event`` events whose fields equal ``match`` the launcher wrote so far."""
+        return self.events.count(event, **match)
+
+    def wait_for_event(self, event: str, count: int = 1, timeout: float = 120.0, **match: Any) -> dict:
+        """Wait for the ``count``-th ``event`` whose fields equal ``match``; returns it."""
+        self.wait_until(lambda: self.events.count(event, **match) >= count, f"event {event} #{count} {match}", timeout)
+        return self.events.select(event, **match)[count - 1]
+
     def count(self, pattern: str) -> int:
+        """Launcher log lines that match ``pattern``."""
         regex = re.compile(pattern)
         return sum(bool(regex.search(x)) for x in list(self.lines))
 
@@ -178,11 +191,7 @@ class Job:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
-        for line in list(self.lines):
-            match = STARTED.search(line)
-            if match is None:
-                continue
-            pid = int(match.group(2))
+        for pid in self.events.all_pids():
             try:
                 if str(self.out) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
                     os.kill(pid, signal.SIGKILL)
@@ -245,7 +254,7 @@ def slot(dp: int, pipeline: int, stage: int) -> int:
 
 
 def job_config() -> dict:
-    return ds_config(M, CLIP, EMULATION)
+    return ds_config(M, CLIP, {"enabled": True, **EMULATION})
 
 
 def fault_free(
@@ -265,12 +274,13 @@ def run_fault_free(
     dp: int,
     steps: int,
     optimizer: str,
-    worker: Path = WORKER,
     timeout: float = 240.0,
     data: str = "provider",
+    worker_args: list[str] | None = None,
 ) -> dict[int, dict]:
     """Run the job without a failure in ``tmp``; the final state of every slot."""
-    job = Job(tmp, pp, dp, steps, job_config(), optimizer, respawn=False, timeout=timeout, worker=worker, data=data)
+    job = Job(tmp, pp, dp, steps, job_config(), optimizer, respawn=False, timeout=timeout, data=data)
+    job.worker_args = list(worker_args or [])
     code = job.start().finish()
     assert code == 0, job.log_tail()
     return final_states(job.records())
@@ -287,7 +297,7 @@ def rejoin(job: Job, slots: list[int], iteration: int, joins: dict[int, int]) ->
     """After :func:`hold_degraded` at ``iteration``: wait until the respawns of ``slots`` are
     accepted (``joins``: accepted joins per slot before), then let everyone train."""
     for s in slots:
-        job.wait_for_line(rf"accepted join of slot {s} ", joins[s] + 1, timeout=180)
+        job.wait_for_event("accepted", joins[s] + 1, timeout=180, kind="join", slot=s)
     job.hold(None)
     for s in slots:
         job.wait_until(lambda s=s: job.progress(s) > iteration + 1, f"slot {s} to train again after re-joining")
@@ -318,7 +328,8 @@ def assert_final_states(
     job: Job, reference: dict[int, dict], steps: int, rtol: float = RTOL, atol: float = ATOL
 ) -> list[dict]:
     """Every parameter and optimizer state of every finishing slot, and every loss any process
-    reported, equal the fault-free run (``rtol``, ``atol``); returns the records."""
+    reported, equal the fault-free run (``rtol``, ``atol``; a loss within ``rtol`` relative, as
+    ``pytest.approx(rel=rtol)``); returns the records."""
     records = job.records()
     finished = final_states(records)
     assert sorted(finished) == sorted(reference), f"finished slots {sorted(finished)}"
@@ -337,7 +348,7 @@ def assert_final_states(
     for record in records:
         for iteration, loss in record["losses"].items():
             want = reference_losses[iteration]
-            assert loss == pytest.approx(want, rel=rtol), f"slot {record['slot']} it {iteration}"
+            assert abs(loss - want) <= max(rtol * abs(want), 1e-12), f"slot {record['slot']} it {iteration}"
     return records
 
 
