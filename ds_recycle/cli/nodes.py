@@ -8,6 +8,10 @@ Flags win; when one is absent it comes from Slurm (``SLURM_NNODES``, ``SLURM_NOD
 ``SLURM_GPUS_ON_NODE``, the first host of ``SLURM_JOB_NODELIST``) or torchrun-style variables
 (``NODE_RANK``/``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``). The job token is the same on every
 node: ``DS_RECYCLE_TOKEN`` (set by the batch script) or ``--token-file`` (mode 600).
+
+``--hostfile FILE`` takes DeepSpeed's format (``host slots=G`` per line, ``#`` comments): N is the
+number of hosts, G their slots, node 0's host the endpoint, and this agent's node rank the line
+that names this host (its name or one of its addresses) unless ``--node-rank`` says it.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import socket
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -29,6 +34,7 @@ _NODE_FLAGS = {
     "--master-addr": "master_addr",
     "--master-port": "master_port",
     "--token-file": "token_file",
+    "--hostfile": "hostfile",
 }
 DEFAULT_PORT = 29500
 TOKEN_ENV = "DS_RECYCLE_TOKEN"
@@ -76,6 +82,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="a node whose agent has not renewed its lease for S seconds is failed as a whole (default 5)",
     )
+    group.add_argument(
+        "--hostfile",
+        default=None,
+        metavar="FILE",
+        help="DeepSpeed's hostfile (`host slots=G` per line): the nodes, their ranks and the endpoint",
+    )
     group.add_argument("--token-file", default=None, metavar="FILE", help="the job token (mode 600)")
     group.add_argument(
         "--allow-unsafe-placement",
@@ -86,6 +98,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def resolve(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> NodeSpec:
     """The node this agent is; raises UsageError naming the flag or variable and what is allowed."""
+    if getattr(args, "hostfile", None) is not None and args.nproc is None:
+        return _from_hostfile(args, environ)
     nnodes = _nnodes(args.nnodes, environ)
     if args.nproc is not None and args.nproc_per_node is not None:
         raise UsageError("--nproc and --nproc-per-node: give one of them (--nproc N is one node of N ranks)")
@@ -106,6 +120,85 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -
         return NodeSpec(1, 0, nproc, None, None)
     endpoint = _endpoint(args, environ)
     return NodeSpec(nnodes, node_rank, nproc, endpoint, _token(args.token_file, environ))
+
+
+@dataclass(frozen=True)
+class Hostfile:
+    hosts: list[str]
+    slots: int
+
+
+def read_hostfile(path: str) -> Hostfile:
+    """DeepSpeed's hostfile: ``host slots=G`` per line, blank lines and ``#`` comments ignored. Every
+    host must have the same G (node k owns ranks k*G .. k*G+G-1)."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise UsageError(f"--hostfile {path}: cannot read it ({exc.strerror})") from None
+    hosts: list[str] = []
+    slots: set[int] = set()
+    for number, raw in enumerate(lines, 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        match = re.fullmatch(r"(\S+)\s+slots\s*=\s*(\S+)", line)
+        if match is None:
+            raise UsageError(f"--hostfile {path} line {number}: {raw.strip()!r}: expected `HOST slots=G`")
+        host, count = match.groups()
+        if host in hosts:
+            raise UsageError(f"--hostfile {path} line {number}: host {host} is listed twice")
+        hosts.append(host)
+        slots.add(_int_in(f"--hostfile {path} line {number}: slots", count, 1, 1024))
+    if not hosts:
+        raise UsageError(f"--hostfile {path}: no host in it (expected `HOST slots=G` lines)")
+    if len(slots) != 1:
+        raise UsageError(
+            f"--hostfile {path}: every host needs the same slots (found {sorted(slots)}); ReCycle's nodes each "
+            "hold G ranks of the P x D grid"
+        )
+    if len(hosts) > MAX_NODES:
+        raise UsageError(f"--hostfile {path}: {len(hosts)} hosts; at most {MAX_NODES}")
+    return Hostfile(hosts, slots.pop())
+
+
+def _from_hostfile(args: argparse.Namespace, environ: Mapping[str, str]) -> NodeSpec:
+    hostfile = read_hostfile(args.hostfile)
+    nnodes = len(hostfile.hosts)
+    if args.nnodes is not None and str(args.nnodes) != str(nnodes):
+        raise UsageError(f"--nnodes {args.nnodes} and --hostfile {args.hostfile} ({nnodes} hosts): give one of them")
+    nproc = hostfile.slots
+    if args.nproc_per_node is not None and _int_in("--nproc-per-node", args.nproc_per_node, 1, 1024) != nproc:
+        raise UsageError(
+            f"--nproc-per-node {args.nproc_per_node} and --hostfile {args.hostfile} (slots={nproc}): give one of them"
+        )
+    if args.node_rank is not None:
+        node_rank = _int_in("--node-rank", args.node_rank, 0, nnodes - 1)
+    else:
+        node_rank = _this_host(hostfile.hosts, args.hostfile)
+    if args.rdzv_endpoint is not None or args.master_addr is not None:
+        raise UsageError("--hostfile names the endpoint (its first host): leave out --rdzv-endpoint and --master-addr")
+    port = _first(args.master_port, "--master-port", environ, "MASTER_PORT")
+    endpoint = (hostfile.hosts[0], DEFAULT_PORT if port is None else _int_in(port[1], port[0], 1, 65535))
+    if nnodes == 1:
+        return NodeSpec(1, 0, nproc, None, None)
+    return NodeSpec(nnodes, node_rank, nproc, endpoint, _token(args.token_file, environ))
+
+
+def _this_host(hosts: list[str], path: str) -> int:
+    """The line of ``hosts`` that names this machine: its host name (full or short) or an address."""
+    name = socket.gethostname()
+    names = {name, name.split(".")[0], socket.getfqdn()}
+    try:
+        names.update(socket.gethostbyname_ex(name)[2])
+    except OSError:
+        pass
+    found = [k for k, host in enumerate(hosts) if host in names or host.split(".")[0] in names]
+    if len(found) != 1:
+        what = "no line names" if not found else "several lines name"
+        raise UsageError(
+            f"--hostfile {path}: {what} this host ({sorted(names)}); give --node-rank K (0..{len(hosts) - 1})"
+        )
+    return found[0]
 
 
 def _nnodes(value: str | None, environ: Mapping[str, str]) -> int:

@@ -98,3 +98,39 @@ def test_bad_node_input_through_the_cli_is_one_line_and_starts_nothing(tmp_path)
     done = subprocess.run([*command, "--rdzv-endpoint", "h:1", str(script)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.count("\n") == 1 and done.stderr.startswith("ds-recycle launch: error: several nodes need")
+
+
+def test_a_deepspeed_hostfile_gives_the_nodes_the_endpoint_and_this_nodes_rank(tmp_path):
+    import socket
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(
+        f"# the job's hosts\nworker-0 slots=4\n\n{socket.gethostname()} slots=4  # this one\nw2 slots=4\n"
+    )
+    env = {"DS_RECYCLE_TOKEN": TOKEN, "MASTER_PORT": "2345"}
+    assert resolve(parse("--hostfile", str(hostfile)), env) == NodeSpec(3, 1, 4, ("worker-0", 2345), TOKEN)
+    assert resolve(parse("--hostfile", str(hostfile), "--node-rank", "2"), env).node_rank == 2
+
+
+@pytest.mark.parametrize(
+    "text,extra,message",
+    [
+        ("a slots=2\nb slots=4\n", [], "every host needs the same slots (found [2, 4])"),
+        ("a slots=2\na slots=2\n", [], "line 2: host a is listed twice"),
+        ("a 2\n", [], "line 1: 'a 2': expected `HOST slots=G`"),
+        ("a slots=0\n", [], "slots 0: must be an integer in 1..1024"),
+        ("# nothing\n", [], "no host in it"),
+        ("a slots=2\nb slots=2\n", [], "no line names this host"),
+        ("a slots=2\nb slots=2\n", ["--nnodes", "3"], "--nnodes 3 and --hostfile"),
+        ("a slots=2\nb slots=2\n", ["--nproc-per-node", "4"], "--nproc-per-node 4 and --hostfile"),
+        ("a slots=2\nb slots=2\n", ["--node-rank", "2"], "--node-rank 2: must be an integer in 0..1"),
+        ("a slots=2\nb slots=2\n", ["--node-rank", "0", "--rdzv-endpoint", "h:1"], "leave out --rdzv-endpoint"),
+    ],
+)
+def test_bad_hostfiles_name_the_line_and_the_problem(tmp_path, text, extra, message):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(text)
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        resolve(parse("--hostfile", str(hostfile), *extra), {"DS_RECYCLE_TOKEN": TOKEN})
+    with pytest.raises(UsageError, match="cannot read it"):
+        resolve(parse("--hostfile", str(tmp_path / "absent")), {})
