@@ -496,15 +496,16 @@ def measure(job: Job, faults: list[Fault], result: JobResult) -> list[Row]:
         end = faults[k + 1].signalled[0] if k + 1 < len(faults) and faults[k + 1].signalled else math.inf
         inside = [c for c in changes if first <= c["time"] < end]
         out = [c for c in inside if c["failed"] or c["left"]]
-        gone = set(fault.workers)
-        on_new_plan = [c for c in out if gone <= workers_of(c["plan"]["failed"])]
+        # Each worker of the fault out of the plan, in one epoch or (a pair whose second hang is
+        # detected after the first one's respawn re-joined) in one after the other.
+        without = [{c["epoch"] for c in out if tuple(w) in workers_of(c["plan"]["failed"])} for w in fault.workers]
         back = [c for c in inside if c["joined"] and not c["plan"]["failed"]]
-        if not out or not on_new_plan:
+        if not out or not all(without):
             row.note = "no epoch without its workers"
             continue
         row.restart = min(c["iteration"] for c in out)
         first_epoch = [c for c in out if c["epoch"] == min(x["epoch"] for x in out)]
-        plan_epoch = [c for c in on_new_plan if c["epoch"] == min(x["epoch"] for x in on_new_plan)]
+        plan_epoch = [c for c in out if c["epoch"] == max(min(epochs) for epochs in without)]
         if fault.signal != "SIGTERM":
             detected = [
                 c["time"] - c["recovery_seconds"] + c["detection_seconds"]

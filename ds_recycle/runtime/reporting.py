@@ -29,6 +29,20 @@ class Before:
         return cls(engine.grid.membership.members, engine.fault_free_iteration_time())
 
 
+def _net_changes(decision: Decision, members_before, members_after, worker_of) -> dict[str, tuple]:
+    """Who left, failed and joined, by kind, as the members saw it: a leave or failure of a slot that
+    was a member, a join of a slot that is one now, each slot once. A joiner that died while its
+    join was pending is in the decision's changes twice (its join and its failure) but neither left
+    nor joined (the coordinator's log says so)."""
+    after = set(members_after)
+    wanted = {LEAVE: set(members_before), FAILED: set(members_before), JOIN: after}
+    workers: dict[str, tuple] = {}
+    for kind in KINDS:
+        slots = dict.fromkeys(c.slot for c in decision.changes if c.kind == kind and c.slot in wanted[kind])
+        workers[kind] = tuple(worker_of(slot) for slot in slots)
+    return workers
+
+
 def membership_change(
     engine,
     decision: Decision,
@@ -39,7 +53,7 @@ def membership_change(
 ) -> MembershipChange:
     """The change ``decision`` made, now that ``engine`` runs in the new epoch; logged once."""
     grid = engine.grid
-    workers = {kind: tuple(grid.worker_of(c.slot) for c in decision.changes if c.kind == kind) for kind in KINDS}
+    workers = _net_changes(decision, before.members, grid.membership.members, grid.worker_of)
     oldest = min((c.time for c in decision.changes), default=time.time())
     summary = engine.plan_summary(before.fault_free_iteration_time)
     now = time.time()

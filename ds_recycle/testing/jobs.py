@@ -356,16 +356,22 @@ def killed_ledgers(killed: dict[tuple[int, int], dict], changes: list[dict], dp:
     """The F entries a killed process ran and that counted: the survivors re-ran every iteration
     from the one their recovery restarted at, so the dead process's entries from there on are void.
 
-    The n-th killed incarnation of a slot is the n-th failure of its worker in the changes."""
-    restarts: dict[tuple, list[int]] = {}
-    for change in sorted({(c["epoch"], c["iteration"], tuple(map(tuple, c["failed"]))) for c in changes}):
-        for worker in change[2]:
-            restarts.setdefault(tuple(worker), []).append(change[1])
+    A process ends at the first change after the epoch it joined in that names its worker as failed
+    or left (a process killed after its leave took effect left at that boundary)."""
+    ends = sorted(
+        {(c["epoch"], c["iteration"], *(frozenset(map(tuple, c[k])) for k in ("failed", "left"))) for c in changes}
+    )
     ledgers = []
     for (s, incarnation), saved in sorted(killed.items()):
         worker = (s % dp, s // dp)
-        order = sorted(i for (t, i) in killed if t == s).index(incarnation)
-        restart = restarts[worker][order]
+        restart = next(
+            (it for epoch, it, failed, left in ends if epoch > saved["joined_epoch"] and worker in failed | left), None
+        )
+        if restart is None:
+            raise AssertionError(
+                f"slot {s} incarnation {incarnation} was killed, but no change after epoch "
+                f"{saved['joined_epoch']} says that worker {worker} failed or left"
+            )
         ledgers.append([entry for entry in saved["ledger"] if entry[0] < restart])
     return ledgers
 

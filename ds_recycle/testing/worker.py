@@ -5,8 +5,9 @@ It trains the tiny GPT with ReCycle until ``--steps`` iterations are done and le
 
 - ``progress<slot>`` after every iteration, so that the driver can time its signals;
 - ``ledger<slot>.<incarnation>.pt`` after every iteration (with ``--timings`` also after every F):
-  its F ledger (iteration, home, micro-batch, stage of every F it ran), its losses and the
-  membership changes it saw, which is what remains of a rank killed by SIGKILL;
+  its F ledger (iteration, home, micro-batch, stage of every F it ran), its losses, the epoch it
+  joined in and the membership changes it saw, which is what remains of a rank killed by SIGKILL
+  (saved once right after the join too);
 - ``<slot>.<incarnation>.pt`` whatever other way it ends (finished, or left after a SIGTERM): the
   same and its parameters and optimizer state.
 
@@ -102,6 +103,7 @@ def main() -> None:
     slot, incarnation = slot_and_incarnation()
     engine = build_engine(args.pp, args.optimizer, json.loads(args.config.read_text()), args.data)
     timing = {"process_start": PROCESS_START, "started": started, "joined": time.time()}
+    joined_epoch = engine.grid.membership.epoch
     helpers = start_helpers(args.out, slot, incarnation) if args.helpers else None
     losses: dict[int, float] = {}
     calls: list[dict] = []
@@ -109,11 +111,13 @@ def main() -> None:
     def snapshot() -> dict:
         changes = [{**vars(c), "plan": None if c.plan is None else vars(c.plan)} for c in engine.membership_changes]
         record = {"ledger": list(engine.forward_ledger), "losses": dict(losses), "changes": changes}
+        record["joined_epoch"] = joined_epoch
         return {**record, "calls": list(calls), **timing} if args.timings else record
 
     def save() -> None:
         save_atomically(snapshot(), args.out / f"ledger{slot}.{incarnation}.pt")
 
+    save()  # a process killed before its first F still says which epoch it joined in
     if args.timings:
         engine.forward_ledger = SavedLedger(save)
     traps = [trap for s, trap in map(Trap.parse, args.trap) if s == slot] if incarnation == 0 else []
