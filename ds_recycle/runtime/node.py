@@ -28,6 +28,8 @@ from ds_recycle.runtime import protocol as proto
 from ds_recycle.runtime.coordinator import RankExit, renew_seconds
 from ds_recycle.runtime.protocol import AgentReport, KillOrder, Lease, Membership
 
+LEASE_WATCH_SECONDS = 0.05
+
 
 class NodeRefused(RuntimeError):
     """The coordinator's store says this node may not start now (its predecessor's lease is live)."""
@@ -61,6 +63,7 @@ class NodeLink:
         self.node_incarnation = 0
         self.last_renewal = 0.0
         self.fenced = False
+        self._fence_lock = threading.Lock()
 
     def register(self) -> int:
         """Take this node's next incarnation. A previous agent's lease must lapse first (it fences
@@ -90,6 +93,9 @@ class NodeLink:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"recycle-node-{self.node}", daemon=True)
         self._thread.start()
+        # Apart from the store thread: on a partition a store call can block far past its timeout
+        # (packets dropped, no reset), and the node must fence itself all the same.
+        threading.Thread(target=self._watch_lease, name=f"recycle-node-{self.node}-fence", daemon=True).start()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
@@ -115,10 +121,7 @@ class NodeLink:
         period = renew_seconds(self.lease_seconds)
         next_renewal = 0.0
         while not self._stop.is_set():
-            # A frozen node that thaws sees first how long it was gone.
-            silent = time.time() - self.last_renewal
-            if silent > self.lease_seconds:
-                self._fence_node(f"no lease renewal for {silent:.1f} s (timeout {self.lease_seconds:g} s)")
+            if self._lease_lapsed():  # a frozen node that thaws sees first how long it was gone
                 return
             try:
                 if time.monotonic() >= next_renewal:
@@ -133,6 +136,22 @@ class NodeLink:
             self._send_reports()  # the last exits, so that node 0 knows this node's ranks ended
         except Exception:
             pass
+
+    def _watch_lease(self) -> None:
+        while not self._stop.wait(LEASE_WATCH_SECONDS):
+            if self._lease_lapsed():
+                return
+
+    def _lease_lapsed(self) -> bool:
+        """Fence the node (once) if its lease was not renewed for the whole timeout."""
+        silent = time.time() - self.last_renewal
+        if silent <= self.lease_seconds:
+            return False
+        with self._fence_lock:
+            if not self.fenced:
+                self._fence_node(f"no lease renewal for {silent:.1f} s (timeout {self.lease_seconds:g} s)")
+        self._stop.set()
+        return True
 
     def _renew(self) -> None:
         self._store.set(proto.lease_key(self.node), Lease(self.node_incarnation, time.time()).to_json())

@@ -33,17 +33,29 @@ TOKEN = "multinode-test-token-0123456789"
 class Agent:
     """One node's ``ds-recycle launch`` process, its output read in a thread, its events watched."""
 
-    def __init__(self, job: Job, node: int, port: int, incarnation: int = 0, nodes: int = NODES) -> None:
+    def __init__(
+        self,
+        job: Job,
+        node: int,
+        port: int,
+        incarnation: int = 0,
+        nodes: int = NODES,
+        network: Network | None = None,
+    ) -> None:
         logs = job.tmp / "logs" / f"node{node}.{incarnation}"
         self.events = LaunchEvents(job.tmp / f"events{node}.{incarnation}.jsonl")
-        command = [sys.executable, "-m", "ds_recycle.cli", "launch", "--nnodes", str(nodes)]
+        command = network.enter(node) if network else []
+        command += [sys.executable, "-m", "ds_recycle.cli", "launch", "--nnodes", str(nodes)]
         command += ["--node-rank", str(node), "--nproc-per-node", str(PER_NODE)]
-        command += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--node-lease", "2", "--respawn"]
+        host = network.address(0) if network else "127.0.0.1"
+        command += ["--rdzv-endpoint", f"{host}:{port}", "--node-lease", "2", "--respawn"]
         command += ["--respawn-delay", "0.2", "--timeout", "300", "--log-dir", str(logs)]
         command += ["--events", str(self.events.path)]
         command += [str(WORKER), "--pp", str(job.pp), "--steps", str(STEPS), "--optimizer", "adam"]
         command += ["--config", str(job.tmp / "ds_config.json"), "--out", str(job.out)]
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "DS_RECYCLE_TOKEN": TOKEN}
+        if network:
+            env["GLOO_SOCKET_IFNAME"] = Network.INTERFACE  # gloo's pairs on the node's own link
         self.proc = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
         )
@@ -82,6 +94,86 @@ class Agent:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+class Network:
+    """One network namespace per node, each with a veth link to a bridge in a hub namespace, on an
+    address of the benchmarking range 198.18.0.0/15: a partition is a link set down (packets are
+    dropped, no RST: peers see a blackhole, as on a real cut). Only namespaces made here are
+    created and deleted."""
+
+    INTERFACE = "drt0"
+
+    def __init__(self, nodes: int) -> None:
+        tag = os.getpid() % 100000
+        self.subnet = f"198.18.{tag % 250}"
+        self.hub = f"drt{tag}h"
+        self.names = [f"drt{tag}n{k}" for k in range(nodes)]
+        self.made: list[str] = []
+        try:
+            self._ip("netns", "add", self.hub)
+            self.made.append(self.hub)
+            self._ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
+            self._ip("-n", self.hub, "link", "set", "br0", "up")
+            for k, name in enumerate(self.names):
+                self._ip("netns", "add", name)
+                self.made.append(name)
+                self._ip(
+                    "link",
+                    "add",
+                    self.INTERFACE,
+                    "netns",
+                    name,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    f"h{k}",
+                    "netns",
+                    self.hub,
+                )
+                self._ip("-n", self.hub, "link", "set", f"h{k}", "master", "br0")
+                self._ip("-n", self.hub, "link", "set", f"h{k}", "up")
+                self._ip("-n", name, "addr", "add", f"{self.address(k)}/24", "dev", self.INTERFACE)
+                self._ip("-n", name, "link", "set", self.INTERFACE, "up")
+                self._ip("-n", name, "link", "set", "lo", "up")
+        except BaseException:
+            self.remove()
+            raise
+
+    def address(self, node: int) -> str:
+        return f"{self.subnet}.{node + 1}"
+
+    def enter(self, node: int) -> list[str]:
+        return ["ip", "netns", "exec", self.names[node]]
+
+    def cut(self, node: int, up: bool = False) -> None:
+        """The node's link down (a partition) or up again."""
+        self._ip("-n", self.hub, "link", "set", f"h{node}", "up" if up else "down")
+
+    def remove(self) -> None:
+        for name in reversed(self.made):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+        self.made.clear()
+
+    @staticmethod
+    def _ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
+
+    @staticmethod
+    def unavailable() -> str | None:
+        """Why namespaces cannot be made here, or None."""
+        if os.geteuid() != 0:
+            return "network namespaces need CAP_NET_ADMIN (run as root)"
+        probe = f"drt{os.getpid() % 100000}probe"
+        try:
+            done = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=30)
+        except FileNotFoundError:
+            return "the `ip` command (iproute2) is not installed"
+        if done.returncode != 0:
+            return f"`ip netns add` failed: {done.stderr.strip()}"
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
+        return None
 
 
 def free_port() -> int:
@@ -219,3 +311,55 @@ def test_a_layout_in_which_a_node_holds_every_replica_of_a_stage_is_refused_at_s
     assert refusals and set(refusals) == {"node 0 holds every replica of stage 0"}, logs[-3000:]
     assert "pipeline_major_topology(P, D)" in logs and "--allow-unsafe-placement" in logs
     assert job.progress(0) == 0, "no iteration ran"
+
+
+def test_a_partitioned_node_fences_itself_and_the_survivors_go_on(tmp_path, tmp_path_factory):
+    """One network namespace per node. Node 2's link goes down in the middle of training: nothing
+    dies and no socket is reset, so only the lease can tell. Node 2's agent cannot renew, fences
+    itself (kills its ranks) and ends; the coordinator fails the node's two slots in one change and
+    the survivors go on without them. The link comes back, the node's agent is started again, both
+    slots re-join, and the job ends equal to a fault-free run."""
+    reason = Network.unavailable()
+    if reason:
+        pytest.skip(reason)
+    reference = fault_free(tmp_path_factory, PP, DP, STEPS, "adam")
+    job = Job(tmp_path, PP, DP, STEPS, job_config(), "adam")
+    network = Network(NODES)
+    port = free_port()
+    agents = [Agent(job, node, port, network=network) for node in range(NODES)]
+    lost = 2
+    lost_slots = [lost * PER_NODE + i for i in range(PER_NODE)]
+    try:
+        wait_until(lambda: min(job.progress(s) for s in range(PP * DP)) >= 3, "every rank at iteration 3", agents)
+        iteration = max(job.progress(s) for s in range(PP * DP))
+        job.hold(iteration + 4)
+        network.cut(lost)
+        cut_at = time.time()
+        node_failed = rf"published failure of node {lost}: slots \[{lost_slots[0]}, {lost_slots[1]}\] in one change"
+        wait_until(lambda: count(agents[:1], node_failed) == 1, "the node's failure", agents)
+        wait_until(lambda: agents[lost].proc.poll() is not None, "the cut-off agent to end", agents)
+        assert agents[lost].proc.returncode == 1, "\n".join(agents[lost].lines[-20:])
+        assert count(agents[lost : lost + 1], rf"node {lost} fences itself: no lease renewal") == 1
+        for pid in agents[lost].pids.values():
+            assert not Path(f"/proc/{pid}").exists() or _zombie(pid), f"rank pid {pid} outlived its fenced node"
+        survivors = [s for s in range(PP * DP) if s not in lost_slots]
+        wait_until(lambda: min(job.progress(s) for s in survivors) > iteration, "survivors on the new plan", agents)
+        published = agents[0].events.wait_for("published_failure", 1, timeout=10, slot=lost_slots[0])
+        print(f"link down to the node's failure published: {published['time'] - cut_at:.2f} s (lease 2 s)")
+        network.cut(lost, up=True)
+        agents.append(Agent(job, lost, port, incarnation=1, network=network))
+        coordinator = agents[0].events
+        for s in lost_slots:
+            wait_until(lambda s=s: coordinator.count("accepted", kind="join", slot=s) == 1, f"slot {s}'s join", agents)
+        job.hold(None)
+        live = [agents[0], agents[1], agents[-1]]
+        wait_until(lambda: all(a.proc.poll() is not None for a in live), "the job's end", agents, 240)
+    except BaseException:
+        for agent in agents:
+            agent.kill()
+        raise
+    finally:
+        network.remove()
+    for agent in live:
+        assert agent.proc.returncode == 0, "\n".join(agent.lines[-40:])
+    assert_same_as_fault_free(job, reference, STEPS)
