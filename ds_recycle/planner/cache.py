@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
-from ds_recycle.planner.heuristic import plan_heuristic
+from ds_recycle.planner.heuristic import canonical_labels, plan_heuristic
 from ds_recycle.planner.list_scheduler import ScheduleOptions
 from ds_recycle.planner.lower_bound import check_survivors
 from ds_recycle.planner.normalize import canonical, invert, relabel
@@ -47,7 +47,7 @@ class PlanCache:
 
     def key(self, request: PlanRequest) -> tuple[str, list[int]]:
         """The cache key of a request and the permutation to its canonical labels."""
-        canon, permutation = canonical(request.pipelines, request.stages, request.failed)
+        canon, permutation = canonical_labels(request)
         key = json.dumps(
             {
                 "topology": [request.pipelines, request.stages, request.microbatches],

@@ -21,8 +21,10 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
 from ds_recycle.planner.list_scheduler import (
@@ -120,10 +122,12 @@ def plan_heuristic(
     bound = bound_parts(request).value  # raises NoSurvivorError
 
     D, P = request.pipelines, request.stages
-    key, permutation = canonical(D, P, request.failed)
+    key, permutation = canonical_labels(request)
     workers, chosen = _best_schedule(replace(request, failed=key), bound, budget_ops)
     plan = Plan(D, P, request.microbatches, key, request.costs, request.memory_cap, workers, solver="heuristic")
     plan.extra.update({"decoupled": options.decoupled, "staggered": options.staggered, "candidate": chosen["name"]})
+    if chosen.get("give"):
+        plan.extra["give"] = {f"{p},{s}": g for (p, s), g in sorted(chosen["give"].items())}
     plan, result = retime_and_simulate(plan, iterations=iterations)
     plan = relabel(plan, invert(permutation))
     plan.failed = request.failed
@@ -133,11 +137,31 @@ def plan_heuristic(
     return plan
 
 
+def canonical_labels(request: PlanRequest) -> tuple[tuple[Worker, ...], list[int]]:
+    """The failure set the plan is made for and the permutation to it: the canonical labels
+    (:func:`normalize.canonical`), or the caller's own when the cost model names stragglers (a
+    straggler is a particular worker, so pipelines are no longer interchangeable)."""
+    if request.costs.slow:
+        return tuple(request.failed), list(range(request.pipelines))
+    return canonical(request.pipelines, request.stages, request.failed)
+
+
 def reroute_assignment(
-    pipelines: int, stages: int, microbatches: int, failed: Iterable[Worker], offset: int = 0
+    pipelines: int,
+    stages: int,
+    microbatches: int,
+    failed: Iterable[Worker],
+    offset: int = 0,
+    give: Mapping[Worker, int] | None = None,
 ) -> dict[tuple[int, int, int], int]:
     """``(home, mb, stage) -> pipeline``: home when alive, else dealt round-robin (starting at
-    survivor ``offset``) over the stage's survivors in order of (k, home)."""
+    survivor ``offset``) over the stage's survivors in order of (k, home).
+
+    ``give``: a straggler ``(p, s)`` hands ``give[(p, s)]`` of its own micro-batches (spread
+    evenly over k) to the stage's other survivors, dealt round-robin as a failed worker's are: a
+    capacity of ``1 - give / microbatches``. A failed worker's micro-batches go to stragglers only
+    when a stage has no other survivor."""
+    give = {w: g for w, g in (give or {}).items() if g > 0}
     dead: dict[int, set[int]] = {s: set() for s in range(stages)}
     for p, s in failed:
         dead[s].add(p)
@@ -146,28 +170,76 @@ def reroute_assignment(
         survivors = [p for p in range(pipelines) if p not in dead[s]]
         if not survivors:
             raise ValueError(f"stage {s} has no survivor")
+        receivers = [p for p in survivors if (p, s) not in give] or survivors
+        handed = {
+            p: {k for k in range(microbatches) if (k + 1) * g // microbatches > k * g // microbatches}
+            for (p, stage), g in give.items()
+            if stage == s and p in survivors and len(receivers) < len(survivors)
+        }
         turn = offset
         for k in range(microbatches):
             for h in range(pipelines):
-                if h in dead[s]:
-                    assignment[(h, k, s)] = survivors[turn % len(survivors)]
+                if h in dead[s] or k in handed.get(h, ()):
+                    assignment[(h, k, s)] = receivers[turn % len(receivers)]
                     turn += 1
                 else:
                     assignment[(h, k, s)] = h
     return assignment
 
 
+def balanced_give(pipelines: int, microbatches: int, factor: float, live: int) -> float:
+    """How many of its ``microbatches`` a straggler of ``factor`` hands to the stage's other
+    ``live - 1`` survivors so that all of them are busy equally long: it keeps ``x`` with
+    ``factor x = (D m - x) / (live - 1)``."""
+    if live < 2 or factor <= 1.0:
+        return 0.0
+    keep = pipelines * microbatches / (factor * (live - 1) + 1)
+    return max(0.0, microbatches - keep)
+
+
+def give_levels(
+    pipelines: int, stages: int, microbatches: int, failed: Iterable[Worker], costs: CostModel
+) -> list[tuple[str, dict[Worker, int]]]:
+    """Candidate hand-overs for the stragglers of ``costs``: none (the plan that ignores them,
+    first, so that a hand-over must be strictly faster to win), balanced (rounded up, then
+    down), one less and one more."""
+    failed = set(failed)
+    stragglers = {w: f for w, f in costs.stragglers().items() if w not in failed and w[0] < pipelines}
+    if not stragglers:
+        return [("", {})]
+    live = {s: sum(1 for p in range(pipelines) if (p, s) not in failed) for s in range(stages)}
+    exact = {w: balanced_give(pipelines, microbatches, f, live[w[1]]) for w, f in stragglers.items()}
+    levels: list[tuple[str, dict[Worker, int]]] = []
+    for name, shift in (("none", None), ("ceil", 0), ("floor", -1), ("less", -2), ("more", 1)):
+        if shift is None:
+            give = {w: 0 for w in stragglers}
+        else:
+            give = {
+                w: min(microbatches - 1, max(0, math.ceil(x) + shift if shift >= 0 else math.floor(x) + shift + 1))
+                for w, x in exact.items()
+            }
+        if all(give != other for _n, other in levels):
+            levels.append((name, give))
+    return levels
+
+
 def candidates(
-    pipelines: int, stages: int, microbatches: int, failed: Iterable[Worker]
+    pipelines: int,
+    stages: int,
+    microbatches: int,
+    failed: Iterable[Worker],
+    give: Mapping[Worker, int] | None = None,
 ) -> list[tuple[str, Assignment, SchedulePolicy]]:
     """Every (name, assignment, policy) the heuristic may try, most promising first. ``rr1``
     (the round-robin dealing shifted by one survivor) is only distinct when every stage keeps at
-    least two survivors; otherwise it falls back to ``rr0``."""
+    least two survivors; otherwise it falls back to ``rr0``. ``give``: stragglers' hand-overs
+    (:func:`reroute_assignment`)."""
     failed = tuple(failed)
-    assignments: dict[str, Assignment] = {"rr0": reroute_assignment(pipelines, stages, microbatches, failed)}
+    give = dict(give or {})
+    assignments: dict[str, Assignment] = {"rr0": reroute_assignment(pipelines, stages, microbatches, failed, give=give)}
     min_survivors = min(pipelines - sum(1 for _p, q in failed if q == s) for s in range(stages))
-    if failed and min_survivors > 1:
-        assignments["rr1"] = reroute_assignment(pipelines, stages, microbatches, failed, offset=1)
+    if (failed or any(give.values())) and min_survivors > 1:
+        assignments["rr1"] = reroute_assignment(pipelines, stages, microbatches, failed, offset=1, give=give)
     order = list(PREFERRED) + [(a, p) for p in POLICIES for a in ("rr0", "rr1")]
     out, seen = [], set()
     for assignment_name, policy_name in order:
@@ -180,11 +252,26 @@ def candidates(
     return out
 
 
+def _all_candidates(request: PlanRequest) -> list[tuple[str, Assignment, SchedulePolicy, dict[Worker, int]]]:
+    """Without stragglers, :func:`candidates`. With them, the candidates of every hand-over level
+    (:func:`give_levels`) interleaved, so that a small budget still weighs each level."""
+    D, P, m = request.pipelines, request.stages, request.microbatches
+    levels = give_levels(D, P, m, request.failed, request.costs)
+    per_level = [
+        [
+            (f"{level}/{name}" if level else name, a, policy, give)
+            for name, a, policy in candidates(D, P, m, request.failed, give)
+        ]
+        for level, give in levels
+    ]
+    return [c for row in itertools.zip_longest(*per_level) for c in row if c is not None]
+
+
 def _best_schedule(request: PlanRequest, bound: float, budget_ops: int) -> tuple[dict[Worker, list[Op]], dict]:
     D, P, m, cap = request.pipelines, request.stages, request.microbatches, request.memory_cap
     limit = max(2, budget_ops // max(1, 3 * D * P * m))
     best = None
-    for tried, (name, assignment, policy) in enumerate(candidates(D, P, m, request.failed)):
+    for tried, (name, assignment, policy, give) in enumerate(_all_candidates(request)):
         if tried >= limit:
             break
         try:
@@ -193,7 +280,7 @@ def _best_schedule(request: PlanRequest, bound: float, budget_ops: int) -> tuple
             continue  # this policy got stuck; others may not
         makespan = _makespan(workers)
         if best is None or makespan < best[0] - 1e-9:
-            best = (makespan, workers, {"name": name})
+            best = (makespan, workers, {"name": name, "give": {w: g for w, g in give.items() if g}})
         if makespan <= bound + 1e-9:
             break
     if best is None:

@@ -129,8 +129,10 @@ class _SchedulerState:
         self.index = {w: i for i, w in enumerate(self.workers)}
         n = len(self.workers)
         self.stage_of = [w[1] for w in self.workers]
-        self.dur = {kind: [costs.duration(kind, w[1]) for w in self.workers] for kind in (FORWARD, BACKWARD_INPUT)}
-        self.dur[BACKWARD_WEIGHT] = [costs.duration(BACKWARD_WEIGHT, w[1]) for w in self.workers]
+        self.dur = {
+            kind: [costs.op_duration(kind, w) for w in self.workers]
+            for kind in (FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
+        }
         # the runner (worker index) of every (h, k, s)
         self.runner: dict[tuple[int, int, int], int] = {
             (h, k, s): self.index[(p, s)] for (h, k, s), p in assignment.items()

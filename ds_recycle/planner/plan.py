@@ -44,13 +44,19 @@ class Op(NamedTuple):
 @dataclass(frozen=True)
 class CostModel:
     """Per-stage durations of F, B and W, the p2p latency between two different workers,
-    and the duration of S (the stage's DP all-reduce plus its optimizer step)."""
+    and the duration of S (the stage's DP all-reduce plus its optimizer step).
+
+    ``slow`` names stragglers: ``(pipeline, stage, factor)``, a worker whose F, B and W each take
+    ``factor`` times its stage's duration (S, which waits for the stage's all-reduce, does not
+    change). Empty for a model of identical replicas; then the model is that of before stragglers
+    (its dict and every cache key are unchanged)."""
 
     F: tuple[float, ...]
     B: tuple[float, ...]
     W: tuple[float, ...]
     comm: float = 0.0
     step: float = 0.0
+    slow: tuple[tuple[int, int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not (len(self.F) == len(self.B) == len(self.W)) or not self.F:
@@ -61,6 +67,15 @@ class CostModel:
                     raise ValueError(f"cost model: {name}[{s}] = {value} is negative; durations must be >= 0")
         if self.comm < 0 or self.step < 0:
             raise ValueError(f"cost model: comm={self.comm} and step={self.step} must be >= 0")
+        slow = tuple(sorted((int(p), int(s), float(f)) for p, s, f in self.slow))
+        seen = set()
+        for p, s, f in slow:
+            if p < 0 or not 0 <= s < len(self.F) or (p, s) in seen:
+                raise ValueError(f"cost model: straggler ({p}, {s}) is outside the stages or named twice")
+            if not f > 0:
+                raise ValueError(f"cost model: straggler ({p}, {s}) has factor {f}; factors must be > 0")
+            seen.add((p, s))
+        object.__setattr__(self, "slow", slow)
 
     @classmethod
     def uniform(
@@ -77,12 +92,37 @@ class CostModel:
             return self.step
         return {FORWARD: self.F, BACKWARD_INPUT: self.B, BACKWARD_WEIGHT: self.W}[kind][stage]
 
+    def factor(self, worker: Worker) -> float:
+        """How many times its stage's F, B and W durations ``worker``'s take (1 unless it straggles)."""
+        for p, s, f in self.slow:
+            if (p, s) == worker:
+                return f
+        return 1.0
+
+    def op_duration(self, kind: str, worker: Worker) -> float:
+        """The duration of ``kind`` on ``worker``: its stage's, times the worker's straggler factor."""
+        if kind == STEP:
+            return self.step
+        return self.duration(kind, worker[1]) * self.factor(worker) if self.slow else self.duration(kind, worker[1])
+
+    def stragglers(self) -> dict[Worker, float]:
+        return {(p, s): f for p, s, f in self.slow}
+
+    def without_stragglers(self) -> CostModel:
+        return CostModel(self.F, self.B, self.W, self.comm, self.step)
+
     def to_dict(self) -> dict:
-        return {"F": list(self.F), "B": list(self.B), "W": list(self.W), "comm": self.comm, "step": self.step}
+        data = {"F": list(self.F), "B": list(self.B), "W": list(self.W), "comm": self.comm, "step": self.step}
+        if self.slow:
+            data["slow"] = [list(entry) for entry in self.slow]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> CostModel:
-        return cls(tuple(data["F"]), tuple(data["B"]), tuple(data["W"]), data.get("comm", 0.0), data.get("step", 0.0))
+        slow = tuple(tuple(entry) for entry in data.get("slow", ()))
+        return cls(
+            tuple(data["F"]), tuple(data["B"]), tuple(data["W"]), data.get("comm", 0.0), data.get("step", 0.0), slow
+        )
 
 
 @dataclass

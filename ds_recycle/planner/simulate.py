@@ -97,7 +97,7 @@ def _replay(
             ids[wi][j] = i
             i += 1
     n = len(flat)
-    duration = [costs.duration(op.kind, op.stage) for op in flat]
+    duration = [costs.op_duration(op.kind, workers[wi]) for op, wi in zip(flat, where, strict=True)]
     deps: list[list[tuple[int, float]] | None] = []
     for i, op in enumerate(flat):
         kind, h, k, s = op.kind, op.home, op.mb, op.stage

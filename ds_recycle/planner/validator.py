@@ -110,7 +110,7 @@ def _check_worker_sequences(plan: Plan) -> None:
     for worker, ops in plan.workers.items():
         prev: Op | None = None
         for op in ops:
-            want = costs.duration(op.kind, op.stage)
+            want = costs.op_duration(op.kind, worker)
             if op.start < -EPS:
                 raise _fail(op, worker, f"starts at negative time {op.start}")
             if abs((op.end - op.start) - want) > EPS:
