@@ -19,7 +19,8 @@ import functools
 import hashlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from types import MethodType
 
 import torch
@@ -49,7 +50,9 @@ from ds_recycle.instructions import (
     to_instruction,
 )
 from ds_recycle.log import logger
+from ds_recycle.planner import actions
 from ds_recycle.planner.cache import PlanCache
+from ds_recycle.planner.evaluation import lower_forward_only
 from ds_recycle.planner.fault_free import fault_free_plan
 from ds_recycle.planner.list_scheduler import ScheduleOptions
 from ds_recycle.planner.lowering import WorkerStream, lower
@@ -59,7 +62,7 @@ from ds_recycle.runtime.events import IterationStats, MembershipChange, Monitor,
 from ds_recycle.runtime.groups import GROUP_TIMEOUT_SECONDS, RecycleGrid, bury
 from ds_recycle.runtime.protocol import Membership
 from ds_recycle.runtime.recovery import RankRuntime
-from ds_recycle.runtime.waiting import Waiter
+from ds_recycle.runtime.waiting import PeerFailure, Waiter
 
 _EXTRA_BUFFERS = ("losses", "grads", "input_grads", "weight_work")
 TRAIN_BATCH_TIMER = "train_batch"
@@ -79,6 +82,69 @@ class PlannedSchedule(schedule.PipeSchedule):
     def steps(self):
         for instruction in self.instructions:
             yield [instruction]
+
+
+class ForwardOnlySchedule(schedule.PipeSchedule):
+    """One worker's forward-only (evaluation) stream as this engine's instructions, one per step."""
+
+    def __init__(self, stream: WorkerStream, micro_batches: int, stages: int, stage_id: int):
+        super().__init__(micro_batches, stages, stage_id)
+        self.num_buffers = stream.num_buffers
+        self.instructions = [to_instruction(action) for action in stream.actions]
+
+    def num_pipe_buffers(self) -> int:
+        return self.num_buffers
+
+    def steps(self):
+        for instruction in self.instructions:
+            yield [instruction]
+
+
+@dataclass
+class EvalData:
+    """The micro-batches of one ``eval_batch``: from a source ``(home, mb) -> batch`` that any worker
+    can load from, or from this pipeline's iterator as DeepSpeed reads it (its own micro-batches
+    only). What an iterator gave is kept, so a run again after a failure reads the same batches."""
+
+    source: Callable[[int, int], object] | None = None
+    iterator: Iterator | None = None
+    read: list = field(default_factory=list)
+
+    @classmethod
+    def of(cls, data) -> EvalData:
+        if data is None:
+            raise ValueError(
+                "eval_batch needs data: an iterator of this pipeline's micro-batches or (home, mb) -> batch"
+            )
+        if callable(data) and not hasattr(data, "__next__"):
+            return cls(source=data)
+        return cls(iterator=iter(data))
+
+    def get(self, home: int, mb: int, own_pipeline: int):
+        if self.source is not None:
+            return self.source(home, mb)
+        if home != own_pipeline:
+            raise RecycleDataError(
+                f"eval micro-batch ({home},{mb}) belongs to another pipeline and eval data comes from an iterator"
+            )
+        while len(self.read) <= mb:
+            self.read.append(next(self.iterator))
+        return self.read[mb]
+
+
+@dataclass
+class Evaluation:
+    """One ``eval_batch`` on this worker: what it ran and the last stage's loss of each micro-batch."""
+
+    data: EvalData
+    micro_batches: int
+    failed: tuple = ()
+    forwards: list[tuple[int, int]] = field(default_factory=list)
+    """(home, mb) of every F this worker ran, in order."""
+    losses: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    attempts: int = 0
+    """Runs of this batch: more than one when a failure interrupted it."""
+    seconds: float = 0.0
 
 
 class RecycleDataError(RuntimeError):
@@ -122,6 +188,10 @@ class RecyclePipelineEngine(PipelineEngine):
         self._fault_free_time: float | None = None
         self._loaded: dict[int, list] = {}
         """Own-pipeline micro-batches read from the data iterator, by iteration (the last two)."""
+        self.evaluation: Evaluation | None = None
+        """The running ``eval_batch``, or after it the last one."""
+        self._evaluating = False
+        self._eval_streams: dict[tuple, WorkerStream] = {}
         self.waiter = Waiter()
         everyone = Membership(0, tuple(range(self.module._topo.world_size())), 0)
         self.install_grid(RecycleGrid.build(self.module._topo, everyone, self.slot, GROUP_TIMEOUT_SECONDS))
@@ -331,13 +401,157 @@ class RecyclePipelineEngine(PipelineEngine):
                 monitor.on_iteration(stats)
         return loss
 
-    def eval_batch(self, *args, **kwargs):
-        if self.recycle.enabled and self.grid.failed:
-            raise RuntimeError(
-                f"eval_batch runs DeepSpeed's own schedule, which needs every pipeline whole; workers "
-                f"{list(self.grid.failed)} are missing in epoch {self.grid.membership.epoch}"
+    def eval_batch(
+        self,
+        data_iter,
+        return_logits: bool = False,
+        compute_loss: bool = True,
+        reduce_output: str | None = "avg",
+        bcast_loss: bool = True,
+        num_micro_batches: int | None = None,
+    ):
+        """DeepSpeed's ``eval_batch`` on a forward-only plan over the live workers.
+
+        Each pipeline's ``num_micro_batches`` (default: the training's) micro-batches go forward
+        through live workers only, routed as the training plan routes their F, so whatever the
+        failure set every micro-batch is evaluated once. Returns DeepSpeed's value on every rank:
+        the mean of the micro-batches' losses, per pipeline then over the D pipelines, summed in
+        DeepSpeed's order (fault-free the result is bitwise stock's). ``return_logits``: also the
+        last stage's outputs of the last micro-batch this worker ran (None on other stages).
+
+        ``data_iter``: this pipeline's micro-batches as DeepSpeed reads them (only the pipeline's
+        own first and last stage can load them, so losing one of those stops with
+        :class:`RecycleDataError`), or a callable ``(home, mb) -> batch`` that any worker can
+        load from, which survives any failure set. Under ``ds-recycle launch`` a failure during
+        the batch is recovered as during training and the batch runs again on the new plan.
+
+        ``compute_loss=False`` or ``reduce_output`` other than ``"avg"`` run DeepSpeed's own
+        schedule, which needs every pipeline whole."""
+        if not self.recycle.enabled or not compute_loss or reduce_output != "avg":
+            if self.recycle.enabled and self.grid.failed:
+                raise RuntimeError(
+                    f"eval_batch(compute_loss={compute_loss}, reduce_output={reduce_output!r}) runs DeepSpeed's own "
+                    f"schedule, which needs every pipeline whole; workers {list(self.grid.failed)} are missing in "
+                    f"epoch {self.grid.membership.epoch}. The default (compute_loss=True, reduce_output='avg') runs "
+                    "over the live workers"
+                )
+            return super().eval_batch(
+                data_iter, return_logits, compute_loss, reduce_output, bcast_loss, num_micro_batches
             )
-        return super().eval_batch(*args, **kwargs)
+        began = time.time()
+        micro_batches = num_micro_batches or self.micro_batches
+        evaluation = Evaluation(EvalData.of(data_iter), micro_batches)
+        self.evaluation = evaluation
+        while True:
+            try:
+                loss = self._run_evaluation(evaluation, return_logits)
+                break
+            except PeerFailure as failure:
+                if self.runtime is None:
+                    raise
+                # At a boundary every survivor has finished the same iteration: the recovery
+                # restarts from it, undoes nothing, and enters the epoch without the dead.
+                self._drop_evaluation()
+                self.runtime._recover_or_stop(failure)
+        evaluation.seconds = time.time() - began
+        if self.monitor.enabled and self.is_lowest_live_rank():
+            self.monitor.write_events([("Train/Samples/eval_loss", loss.item(), self.global_samples)])
+        if return_logits:
+            outputs, self.outputs = getattr(self, "outputs", None), None
+            return loss, outputs
+        return loss
+
+    def _run_evaluation(self, evaluation: Evaluation, return_logits: bool) -> torch.Tensor:
+        evaluation.attempts += 1
+        evaluation.failed = self.grid.failed
+        evaluation.forwards, evaluation.losses = [], {}
+        stream = self._eval_stream(evaluation.micro_batches, evaluation.data)
+        self.module.eval()
+        self._compute_loss = True
+        self.eval_return_logits = return_logits
+        self.outputs = None
+        self._evaluating = True
+        try:
+            with torch.no_grad():
+                self._exec_schedule(
+                    ForwardOnlySchedule(stream, evaluation.micro_batches, self.num_stages, self.stage_id)
+                )
+                self.channel.wait_sends()
+                return self._eval_loss(evaluation)
+        finally:
+            self._evaluating = False
+            self.eval_return_logits = False
+            self._drop_evaluation()
+
+    def _drop_evaluation(self) -> None:
+        for key in self.pipe_buffers:
+            self.pipe_buffers[key] = [None] * len(self.pipe_buffers[key])
+        self.total_loss = None
+        self.fwd_outputs = []
+
+    def _eval_stream(self, micro_batches: int, data: EvalData) -> WorkerStream:
+        failed = self.grid.failed
+        key = (failed, micro_batches)
+        if key not in self._eval_streams:
+            D, P = self.grid.data_parallel_size, self.num_stages
+            if failed:
+                costs, options = self._cost_model(), self._schedule_options()
+                plan = self.plan_cache.get_or_plan(D, P, micro_batches, failed, costs=costs, options=options)
+            else:
+                plan = fault_free_plan(D, P, micro_batches, costs=self._cost_model(), options=self._schedule_options())
+            self._eval_streams[key] = lower_forward_only(plan)
+        streams = self._eval_streams[key]
+        if data.source is None:
+            foreign = [
+                (worker, action)
+                for worker, stream in streams.items()
+                for action in stream.actions
+                if isinstance(action, actions.LoadMicroBatch) and action.home != worker[0]
+            ]
+            if foreign:
+                worker, action = foreign[0]
+                raise RecycleDataError(
+                    f"evaluation with workers {list(failed)} missing has worker {worker} load micro-batch "
+                    f"({action.home},{action.mb}) of another pipeline, but eval data comes from an iterator, which "
+                    "holds only its own pipeline's micro-batches; pass a callable (home, mb) -> batch to eval_batch "
+                    "to evaluate while a first- or last-stage worker is missing"
+                )
+        return streams[self.worker]
+
+    def _eval_loss(self, evaluation: Evaluation) -> torch.Tensor:
+        """DeepSpeed's reduction: per pipeline the sum of its micro-batches' losses in order over
+        m, then the all-reduce over the pipelines divided by D, then sent to every stage. A
+        missing last-stage worker's pipeline is summed by the live worker that stands in for it
+        (``grid.partner``), after the last stage's workers have shared every micro-batch's loss."""
+        grid, m = self.grid, evaluation.micro_batches
+        last = self.num_stages - 1
+        loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.is_last_stage():
+            table = torch.zeros(grid.data_parallel_size, m, dtype=torch.float32, device=self.device)
+            for (home, mb), value in evaluation.losses.items():
+                if value.numel() != 1:
+                    raise RuntimeError(f"eval_batch over the live workers needs a scalar loss, got shape {value.shape}")
+                table[home, mb] = value
+            group = grid.get_data_parallel_group()
+            if grid.failed:  # exact: each entry is one worker's loss and zeros elsewhere
+                self.waiter.collective(
+                    lambda: torch.distributed.all_reduce(table, group=group, async_op=True), "the eval losses' exchange"
+                )
+            total = None
+            for home in grid.served_by(self.worker):
+                mean = sum(table[home, mb] for mb in range(m)) / m
+                total = mean if total is None else total + mean
+            if grid.data_parallel_size > 1:
+                self.waiter.collective(
+                    lambda: torch.distributed.all_reduce(total, group=group, async_op=True), "the eval loss all-reduce"
+                )
+                total /= grid.data_parallel_size
+            loss = total.clone().detach().float()
+        source = grid.rank_of(grid.live_workers(last)[0])
+        self.waiter.collective(
+            lambda: torch.distributed.broadcast(loss, src=source, async_op=True), "the eval loss broadcast"
+        )
+        return loss
 
     def _train_schedule(self):
         if not self.recycle.enabled:
@@ -451,6 +665,9 @@ class RecyclePipelineEngine(PipelineEngine):
     # ---- instructions -----------------------------------------------------------------------
 
     def _exec_load(self, buffer_id: int, home: int, mb: int):
+        if self._evaluating:
+            self._load(buffer_id, self.evaluation.data.get(home, mb, self.worker[0]))
+            return
         if self.micro_batch_source is not None:
             self._load(buffer_id, self.micro_batch_source(self.global_steps, home, mb))
             return
@@ -478,6 +695,12 @@ class RecyclePipelineEngine(PipelineEngine):
             self.data_iterator = iterator
 
     def _exec_forward(self, buffer_id: int, home: int, mb: int):
+        if self._evaluating:
+            self.evaluation.forwards.append((home, mb))
+            PipelineEngine._exec_forward_pass(self, buffer_id)
+            if self.is_last_stage():
+                self.evaluation.losses[(home, mb)] = self.loss.detach()
+            return
         if self.forward_ledger is not None:
             self.forward_ledger.append((self.global_steps, home, mb, self.stage_id))
         PipelineEngine._exec_forward_pass(self, buffer_id)
