@@ -20,6 +20,14 @@ How it runs:
   and ``trainer_state.json``. ``save_model`` writes the same safetensors, loadable by
   ``from_pretrained``.
 - The process that logs and saves is the engine's lowest live rank, not a fixed rank 0.
+- ``evaluate()``, ``predict()`` and ``eval_strategy`` ("steps", "epoch") run ``engine.eval_batch``
+  over the live workers (a forward-only plan: every micro-batch once, whatever the failure set).
+  The eval set is cut into micro-batches of the training micro-batch size (the pipeline's
+  activations keep one shape), in order: eval step t, pipeline h, micro-batch k holds samples
+  from ``((t D + h) m_t + k) x mbs`` on, where a last step shorter than m micro-batches per
+  pipeline runs with fewer (``num_micro_batches``). The metric is the loss, ``<prefix>_loss``:
+  the mean of the micro-batches' mean losses; predictions are not gathered (``compute_metrics``
+  is refused).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from torch.utils.data import DataLoader, Dataset
 from transformers import PretrainedConfig, PreTrainedModel, Trainer, TrainingArguments
 from transformers.integrations import WandbCallback
 from transformers.trainer_callback import ExportableState, ProgressCallback, TrainerState
+from transformers.trainer_utils import EvalLoopOutput, SaveStrategy
 from transformers.utils import logging as hf_logging
 
 from ds_recycle.config import RecycleConfig, RecycleConfigError, WandbMonitorConfig
@@ -503,10 +512,86 @@ class RecycleTrainer(Trainer):
             self.store_flos()
             self.log(logs, start_time)
         if self.control.should_evaluate:
-            raise NotImplementedError("RecycleTrainer does not evaluate during training yet (eval_strategy='no')")
+            metrics = self._evaluate(trial, ignore_keys_for_eval)
+            is_new_best_metric = self._determine_best_metric(metrics=metrics, trial=trial)
+            if self.args.save_strategy == SaveStrategy.BEST:
+                self.control.should_save = is_new_best_metric
         if self.control.should_save:
             self._save_checkpoint(model, trial)
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+
+    # ---- evaluation ---------------------------------------------------------------------------
+
+    def get_eval_dataloader(self, eval_dataset: str | Dataset | None = None) -> DataLoader:
+        """The eval set, held for :meth:`evaluation_loop` (which loads its micro-batches itself)."""
+        if eval_dataset is None and self.eval_dataset is None:
+            raise ValueError("Trainer: evaluation requires an eval_dataset.")
+        if isinstance(eval_dataset, str):
+            eval_dataset = self.eval_dataset[eval_dataset]
+        return _held(eval_dataset if eval_dataset is not None else self.eval_dataset)
+
+    def get_test_dataloader(self, test_dataset: Dataset) -> DataLoader:
+        return _held(test_dataset)
+
+    def evaluation_loop(
+        self,
+        dataloader: DataLoader,
+        description: str,
+        prediction_loss_only: bool | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> EvalLoopOutput:
+        """Shared by ``evaluate()`` and ``predict()``: ``engine.eval_batch`` over the eval set, every
+        rank in step (each batch runs on the live workers' forward-only plan)."""
+        if self.compute_metrics is not None:
+            raise NotImplementedError(
+                "RecycleTrainer evaluates the loss only (predictions stay on the last stage and are not gathered): "
+                "drop compute_metrics, or compute metrics from the saved model"
+            )
+        dataset = dataloader.dataset
+        if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+            raise TypeError("RecycleTrainer needs a map-style eval dataset (any pipeline must load any micro-batch)")
+        if self.engine is None:
+            self._start_engine(self._planned_max_steps())
+        engine = self.engine
+        micro_batches = EvalMicroBatches(
+            dataset,
+            pipelines=engine.grid.data_parallel_size,
+            micro_batches=engine.micro_batches,
+            micro_batch_size=engine.train_micro_batch_size_per_gpu(),
+            collate_fn=self._pipeline_collate,
+        )
+        if self.args.per_device_eval_batch_size != micro_batches.micro_batch_size:
+            logger.warning_once(
+                f"RecycleTrainer evaluates in micro-batches of the training's {micro_batches.micro_batch_size} "
+                f"samples (the pipeline's activations keep one shape), not per_device_eval_batch_size="
+                f"{self.args.per_device_eval_batch_size}"
+            )
+        if micro_batches.left_out:
+            logger.warning_once(
+                f"RecycleTrainer: the last {micro_batches.left_out} of {len(dataset)} eval samples do not fill a "
+                f"micro-batch of every pipeline and are not evaluated"
+            )
+        logger.info(f"***** Running {description} *****")
+        logger.info(f"  Num examples = {micro_batches.samples}")
+        weighted, counted = 0.0, 0
+        for step, count in enumerate(micro_batches.steps()):
+            self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
+            loss = engine.eval_batch(micro_batches.source(step), num_micro_batches=count)
+            weighted += float(loss) * count
+            counted += count
+        metrics: dict[str, float] = {}
+        if counted:
+            metrics[f"{metric_key_prefix}_loss"] = weighted / counted
+        self._follow_leader()
+        return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics, num_samples=micro_batches.samples)
+
+    def _planned_max_steps(self) -> int:
+        """The number of steps ``train()`` will run (the engine's LR schedule needs it), for an
+        evaluation before training."""
+        if self.args.max_steps > 0 or self.train_dataset is None:
+            return max(self.args.max_steps, 1)
+        return self.set_initial_training_values(self.args, self.get_train_dataloader())[-1]
 
     def store_flos(self) -> None:
         self.state.total_flos += self.current_flos
@@ -620,6 +705,46 @@ class _ConstantLR:
 
     def state_dict(self) -> dict:
         return {}
+
+
+@dataclass
+class EvalMicroBatches:
+    """An eval set as ``eval_batch`` steps: micro-batches of ``micro_batch_size`` consecutive
+    samples; step t gives pipeline h its micro-batches k < m_t, samples from
+    ``(first_t + h m_t + k) x micro_batch_size`` on. Every sample is in one micro-batch, except
+    the last ones that cannot fill a micro-batch of every pipeline."""
+
+    dataset: Any
+    pipelines: int
+    micro_batches: int
+    micro_batch_size: int
+    collate_fn: Callable
+
+    def __post_init__(self) -> None:
+        whole = len(self.dataset) // self.micro_batch_size
+        self.per_pipeline = whole // self.pipelines
+        self.samples = self.per_pipeline * self.pipelines * self.micro_batch_size
+        self.left_out = len(self.dataset) - self.samples
+
+    def steps(self) -> list[int]:
+        """The micro-batches per pipeline of each step."""
+        full, rest = divmod(self.per_pipeline, self.micro_batches)
+        return [self.micro_batches] * full + ([rest] if rest else [])
+
+    def source(self, step: int) -> Callable[[int, int], Any]:
+        count = self.steps()[step]
+        first = step * self.micro_batches * self.pipelines
+
+        def load(home: int, mb: int):
+            start = (first + home * count + mb) * self.micro_batch_size
+            return self.collate_fn([self.dataset[i] for i in range(start, start + self.micro_batch_size)])
+
+        return load
+
+
+def _held(dataset) -> DataLoader:
+    """A DataLoader that only carries ``dataset`` to the evaluation loop: it is never iterated."""
+    return DataLoader(dataset, batch_size=1, collate_fn=_only)
 
 
 def _own_micro_batches(engine, dataset, collate_fn) -> Callable:

@@ -1,0 +1,61 @@
+"""``RecycleTrainer(model=AutoModelForCausalLM.from_pretrained(dir))`` for a small LLaMA and GPT-2
+saved in the test (nothing downloaded), 2 stages on gloo, with evaluation: before training the
+pipeline's logits are transformers' and its eval loss is transformers' own model's; the Trainer
+evaluates at ``eval_steps`` with HF's logs and callbacks, ``predict()`` reports the loss, and after
+training the eval loss is that of the saved model reloaded with ``from_pretrained``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_configs import CONFIGS
+
+from ds_recycle.runtime.launcher import launch
+
+pytestmark = pytest.mark.multiprocess
+
+WORKER = Path(__file__).with_name("pretrained_worker.py")
+
+
+@pytest.fixture(scope="module", params=["llama_untied", "gpt2"])
+def run(request, tmp_path_factory) -> tuple[str, dict[int, dict]]:
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp(request.param)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(CONFIGS[request.param]()).save_pretrained(out / "pretrained")
+    results = launch([str(WORKER), str(out / "pretrained"), str(out)], world_size=2, timeout=240, log_dir=out / "logs")
+    for result in results:
+        assert result.ok, f"rank {result.rank} exited {result.returncode}:\n{result.log[-4000:]}"
+    return request.param, {rank: torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(2)}
+
+
+def test_logits_and_eval_loss_before_training_are_transformers(run):
+    _name, dumps = run
+    last = dumps[1]
+    assert last["stage"] == 1 and dumps[0]["logits"] is None
+    assert torch.equal(last["logits"], last["reference_logits"])
+    for dump in dumps.values():
+        torch.testing.assert_close(dump["first_loss"], dump["reference_first_loss"], rtol=1e-6, atol=0)
+        torch.testing.assert_close(dump["before"]["eval_loss"], dump["reference_before"], rtol=1e-6, atol=0)
+
+
+def test_trainer_evaluates_at_eval_steps_with_hfs_logs_and_callbacks(run):
+    _name, dumps = run
+    for dump in dumps.values():
+        evaluated = [(step, metrics["eval_loss"]) for step, metrics in dump["evaluated"]]
+        assert [step for step, _ in evaluated] == [0, 2, 4, 4]  # before, eval_steps=2, after
+        logged = [h for h in dump["log_history"] if "eval_loss" in h]
+        assert [(h["step"], h["eval_loss"]) for h in logged] == evaluated[1:]  # train() starts a fresh history
+        assert all("eval_runtime" in h and "epoch" in h for h in logged)
+        assert evaluated[-1][1] < evaluated[0][1] - 0.1, "training lowered the eval loss"
+        [predicted] = dump["predicted_callbacks"]
+        assert predicted["test_loss"] == dump["predicted"]["test_loss"] == dump["after"]["eval_loss"]
+
+
+def test_eval_loss_after_training_is_the_saved_models(run):
+    _name, dumps = run
+    for dump in dumps.values():
+        torch.testing.assert_close(dump["after"]["eval_loss"], dump["reference_after"], rtol=1e-5, atol=0)
