@@ -1,7 +1,8 @@
 """One rank of the from_pretrained test (2 stages x 1 pipeline): fine-tune
 ``AutoModelForCausalLM.from_pretrained(argv[1])`` with ``RecycleTrainer``, evaluating before,
-during (``eval_strategy="steps"``) and after training and predicting once; write to argv[2]
-``rank<N>.pt`` what the test compares with transformers' own model.
+during (``eval_strategy`` argv[3]: "steps", every 2 of 4 steps, or "epoch", 2 epochs of 4 steps)
+and after training and predicting once; write to argv[2] ``rank<N>.pt`` what the test compares
+with transformers' own model.
 """
 
 from __future__ import annotations
@@ -78,26 +79,27 @@ def hf_eval_loss(model, dataset: Dataset) -> float:
 
 
 def main() -> None:
-    model_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
+    model_dir, out, strategy = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
     torch.set_num_threads(1)
+    schedule = {"max_steps": 4, "eval_steps": 2} if strategy == "steps" else {"num_train_epochs": 2}
     args = RecycleTrainingArguments(
         output_dir=str(out / "run"),
         deepspeed=DS_CONFIG,
         per_device_train_batch_size=MBS,
         per_device_eval_batch_size=MBS,
         gradient_accumulation_steps=2,
-        max_steps=4,
         learning_rate=1e-2,
         max_grad_norm=1.0,
-        eval_strategy="steps",
-        eval_steps=2,
+        eval_strategy=strategy,
+        **schedule,
         logging_steps=1,
         save_strategy="no",
         report_to="none",
         disable_tqdm=True,
         seed=0,
     )
-    train, evalset = CorpusWindows(32, start=0), CorpusWindows(12, start=20_000)
+    train = CorpusWindows(32 if strategy == "steps" else 16, start=0)  # 16: 4 steps an epoch
+    evalset = CorpusWindows(12, start=20_000)
     seen = Seen()
     trainer = RecycleTrainer(
         model=AutoModelForCausalLM.from_pretrained(model_dir),
