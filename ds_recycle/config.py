@@ -7,6 +7,8 @@ Example::
         "decoupled_backprop": true,
         "staggered_optimizer": true,
         "emulate_timing": {"F": 20, "B": 20, "W": 20},
+        "profile": {"warmup": 2, "drift": 0.1},
+        "stragglers": {"enabled": true, "threshold": 1.3},
         "monitor": {"wandb": {"project": "ds-recycle"}}
     }
 
@@ -27,17 +29,90 @@ class RecycleConfigError(ValueError):
     """A bad ``recycle`` section or a DeepSpeed setting that ReCycle cannot run with."""
 
 
+Durations = float | tuple[float, ...]
+"""Milliseconds: one number for every stage, or one per stage."""
+
+
 @dataclass(frozen=True)
 class TimingEmulation:
     """Pad every F, B and W to at least this many milliseconds, so that a few CPU cores can
-    stand in for parallel devices in benchmarks. A fused backward is padded to ``B + W``."""
+    stand in for parallel devices in benchmarks. A fused backward is padded to ``B + W``. Each of
+    F, B, W is one number or one number per stage. ``slowdown`` emulates stragglers: every F, B,
+    W of worker ``(pipeline, stage)`` is padded to ``factor`` times its duration."""
 
-    F: float
-    B: float
-    W: float
+    F: Durations
+    B: Durations
+    W: Durations
+    slowdown: tuple[tuple[int, int, float], ...] = ()
 
-    def seconds(self, kind: str) -> float:
-        return {"F": self.F, "B": self.B, "W": self.W, "BW": self.B + self.W}[kind] / 1000.0
+    def milliseconds(self, kind: str, stage: int = 0) -> float:
+        """The emulated duration of ``kind`` (F, B, W, or BW for a fused backward) at ``stage``."""
+        if kind == "BW":
+            return self.milliseconds("B", stage) + self.milliseconds("W", stage)
+        value = {"F": self.F, "B": self.B, "W": self.W}[kind]
+        return value[stage] if isinstance(value, tuple) else value
+
+    def seconds(self, kind: str, stage: int = 0) -> float:
+        return self.milliseconds(kind, stage) / 1000.0
+
+    def factor(self, pipeline: int, stage: int) -> float:
+        """How many times its emulated (or, with none, its real) duration an op of this worker lasts."""
+        for p, s, f in self.slowdown:
+            if (p, s) == (pipeline, stage):
+                return f
+        return 1.0
+
+    @property
+    def stages(self) -> int | None:
+        """The stage count the per-stage lists name (None: every value is one number)."""
+        lengths = {len(v) for v in (self.F, self.B, self.W) if isinstance(v, tuple)}
+        return lengths.pop() if lengths else None
+
+    def check_topology(self, pipelines: int, stages: int) -> None:
+        """Raise RecycleConfigError unless the lists and slowdowns fit a ``pipelines x stages`` job."""
+        key = f"{SECTION}.emulate_timing"
+        for kind in "FBW":
+            value = getattr(self, kind)
+            if isinstance(value, tuple) and len(value) != stages:
+                raise RecycleConfigError(
+                    f"{key}.{kind} has {len(value)} values but the pipeline has {stages} stages; allowed: one "
+                    f"number, or a list of {stages} numbers (milliseconds, one per stage)"
+                )
+        for p, s, _f in self.slowdown:
+            if not (0 <= p < pipelines and 0 <= s < stages):
+                raise RecycleConfigError(
+                    f"{key}.slowdown names worker (pipeline {p}, stage {s}), outside the job's {pipelines} "
+                    f"pipelines x {stages} stages; allowed: pipeline in [0, {pipelines - 1}], "
+                    f"stage in [0, {stages - 1}]"
+                )
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """``recycle.profile``: measured per-stage costs for the planner (docs/config.md)."""
+
+    enabled: bool = True
+    warmup: int = 2
+    """Iterations not measured at the start (and after this rank joins)."""
+    window: int = 4
+    """The medians are taken over the ops of this many last completed iterations."""
+    interval: int = 1
+    """Every this many iterations the replicas agree on the measured costs."""
+    drift: float = 0.1
+    """Re-plan when a stage's agreed F, B or W differs from the plan's by more than this fraction (of the
+    larger of that value and a tenth of the stage's F + B + W)."""
+
+
+@dataclass(frozen=True)
+class StragglerConfig:
+    """``recycle.stragglers``: route part of a slow worker's micro-batches to its stage's peers."""
+
+    enabled: bool = True
+    threshold: float = 1.3
+    """A worker whose ops take this many times its stage peers' is a straggler."""
+    patience: int = 2
+    """Consecutive agreements above the threshold before it is planned as one (and below the release
+    level, ``1 + (threshold - 1) / 2``, before it is released)."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +162,8 @@ class RecycleConfig:
     decoupled_backprop: bool = True
     staggered_optimizer: bool = True
     emulate_timing: TimingEmulation | None = None
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    stragglers: StragglerConfig = field(default_factory=StragglerConfig)
     join_timeout: float = 600.0
     """Seconds a respawned process waits to be admitted into the running job."""
     detect_timeout: float = 30.0
@@ -123,6 +200,8 @@ class RecycleConfig:
         return cls(
             **values,
             emulate_timing=_timing(section.get("emulate_timing")),
+            profile=_profile(section.get("profile")),
+            stragglers=_stragglers(section.get("stragglers")),
             join_timeout=_seconds(section, "join_timeout", cls.join_timeout),
             detect_timeout=_seconds(section, "detect_timeout", cls.detect_timeout),
             monitor=monitor_config(section.get("monitor")),
@@ -165,18 +244,102 @@ def _timing(value: Any) -> TimingEmulation | None:
         return None
     if not isinstance(value, Mapping):
         raise RecycleConfigError(f"{key} must be null or an object with keys F, B, W (milliseconds), got {value!r}")
-    allowed = ("F", "B", "W")
+    allowed = ("F", "B", "W", "slowdown")
     unknown = sorted(set(value) - set(allowed), key=str)
     if unknown:
-        raise RecycleConfigError(f"unknown key {key}.{unknown[0]}; allowed keys: F, B, W")
-    missing = [k for k in allowed if k not in value]
+        raise RecycleConfigError(f"unknown key {key}.{_key(unknown[0])}; allowed keys: F, B, W, slowdown")
+    missing = [k for k in "FBW" if k not in value]
     if missing:
         raise RecycleConfigError(f"{key}.{missing[0]} is missing; F, B and W (milliseconds) are all required")
-    for k in allowed:
+    durations: dict[str, Durations] = {}
+    lengths = set()
+    for k in "FBW":
         v = value[k]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 60_000:
-            raise RecycleConfigError(f"{key}.{k} must be a number of milliseconds in [0, 60000], got {v!r}")
-    return TimingEmulation(float(value["F"]), float(value["B"]), float(value["W"]))
+        if isinstance(v, list) and v and all(_milliseconds(x) for x in v):
+            durations[k] = tuple(float(x) for x in v)
+            lengths.add(len(v))
+        elif _milliseconds(v):
+            durations[k] = float(v)
+        else:
+            raise RecycleConfigError(
+                f"{key}.{k} must be a number of milliseconds in [0, 60000] or a non-empty list of them (one per "
+                f"stage), got {v!r}"
+            )
+    if len(lengths) > 1:
+        raise RecycleConfigError(
+            f"{key}.F, B and W lists must have one length (one value per stage), got {sorted(lengths)}"
+        )
+    return TimingEmulation(**durations, slowdown=_slowdown(value.get("slowdown", []), f"{key}.slowdown"))
+
+
+def _milliseconds(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 <= value <= 60_000
+
+
+def _slowdown(value: Any, key: str) -> tuple[tuple[int, int, float], ...]:
+    shape = "a list of [pipeline, stage, factor] (integers >= 0, factor a number in [1, 100])"
+    if not isinstance(value, list):
+        raise RecycleConfigError(f"{key} must be {shape}, got {value!r}")
+    entries: list[tuple[int, int, float]] = []
+    for entry in value:
+        ok = isinstance(entry, list) and len(entry) == 3
+        ok = ok and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1_000_000 for x in entry[:2])
+        ok = ok and not isinstance(entry[2], bool) and isinstance(entry[2], (int, float)) and 1 <= entry[2] <= 100
+        if not ok:
+            raise RecycleConfigError(f"{key} must be {shape}; bad entry {entry!r}")
+        if any((p, s) == tuple(entry[:2]) for p, s, _f in entries):
+            raise RecycleConfigError(f"{key} names worker {entry[:2]} twice; allowed: one entry per worker")
+        entries.append((entry[0], entry[1], float(entry[2])))
+    return tuple(sorted(entries))
+
+
+def _profile(value: Any) -> ProfileConfig:
+    key = f"{SECTION}.profile"
+    if value is None:
+        return ProfileConfig()
+    if isinstance(value, bool):
+        return ProfileConfig(enabled=value)
+    if not isinstance(value, Mapping):
+        raise RecycleConfigError(
+            f"{key} must be true, false or an object with keys enabled, warmup, window, interval, drift; got {value!r}"
+        )
+    _no_unknown(value, key, [f.name for f in fields(ProfileConfig)])
+    counts = {}
+    for name, low in (("warmup", 0), ("window", 1), ("interval", 1)):
+        v = value.get(name, getattr(ProfileConfig, name))
+        if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= 1_000_000:
+            raise RecycleConfigError(
+                f"{key}.{name} must be an integer number of iterations in [{low}, 1000000], got {v!r}"
+            )
+        counts[name] = v
+    drift = value.get("drift", ProfileConfig.drift)
+    if isinstance(drift, bool) or not isinstance(drift, (int, float)) or not 0 < drift <= 10:
+        raise RecycleConfigError(f"{key}.drift must be a fraction in (0, 10] (0.1 = 10%), got {drift!r}")
+    return ProfileConfig(_boolean(value, "enabled", True, key), drift=float(drift), **counts)
+
+
+def _stragglers(value: Any) -> StragglerConfig:
+    key = f"{SECTION}.stragglers"
+    if value is None:
+        return StragglerConfig()
+    if isinstance(value, bool):
+        return StragglerConfig(enabled=value)
+    if not isinstance(value, Mapping):
+        raise RecycleConfigError(
+            f"{key} must be true, false or an object with keys enabled, threshold, patience; got {value!r}"
+        )
+    _no_unknown(value, key, [f.name for f in fields(StragglerConfig)])
+    threshold = value.get("threshold", StragglerConfig.threshold)
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 1 < threshold <= 100:
+        raise RecycleConfigError(
+            f"{key}.threshold must be a number in (1, 100] (how many times its peers' op time), got {threshold!r}"
+        )
+    patience = value.get("patience", StragglerConfig.patience)
+    if isinstance(patience, bool) or not isinstance(patience, int) or not 1 <= patience <= 1_000_000:
+        raise RecycleConfigError(
+            f"{key}.patience must be an integer number of agreements in [1, 1000000], got {patience!r}"
+        )
+    return StragglerConfig(_boolean(value, "enabled", True, key), float(threshold), patience)
 
 
 def monitor_config(value: Any) -> MonitorConfig:

@@ -15,6 +15,7 @@ new failure set from the plan cache, lowered to this worker's stream.
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import os
@@ -33,6 +34,7 @@ from ds_recycle.config import RecycleConfig, RecycleConfigError
 from ds_recycle.engine import autocast_p2p
 from ds_recycle.engine import checkpoint as checkpoints
 from ds_recycle.engine.backward_split import backward_input, backward_weight
+from ds_recycle.engine.profile import AgreedProfile, CostChange, CostTracker, OpTimes, exchange
 from ds_recycle.engine.routing import ACTIVATION, GRADIENT, PeerChannel
 from ds_recycle.engine.staggered_step import StageStepper
 from ds_recycle.engine.timing import InstructionEvent, event_of, pad_to
@@ -57,6 +59,7 @@ from ds_recycle.planner.fault_free import fault_free_plan
 from ds_recycle.planner.list_scheduler import ScheduleOptions
 from ds_recycle.planner.lowering import WorkerStream, lower
 from ds_recycle.planner.plan import FORWARD, CostModel, Plan
+from ds_recycle.planner.simulate import retime
 from ds_recycle.runtime.distributed import membership_agent
 from ds_recycle.runtime.events import IterationStats, MembershipChange, Monitor, PlanSummary
 from ds_recycle.runtime.groups import GROUP_TIMEOUT_SECONDS, RecycleGrid, bury
@@ -186,6 +189,7 @@ class RecyclePipelineEngine(PipelineEngine):
         self._stream_cache: dict[tuple, tuple[Plan, WorkerStream]] = {}
         self._own_loss: torch.Tensor | None = None
         self._fault_free_time: float | None = None
+        self._setup_profile()
         self._loaded: dict[int, list] = {}
         """Own-pipeline micro-batches read from the data iterator, by iteration (the last two)."""
         self.evaluation: Evaluation | None = None
@@ -556,22 +560,99 @@ class RecyclePipelineEngine(PipelineEngine):
     def _train_schedule(self):
         if not self.recycle.enabled:
             return super()._train_schedule()
+        self._refresh_costs()
         return PlannedSchedule(self._current_plan_and_stream()[1], self.micro_batches, self.num_stages, self.stage_id)
 
     def _schedule_options(self) -> ScheduleOptions:
         return ScheduleOptions(decoupled=self.recycle.decoupled_backprop, staggered=self.recycle.staggered_optimizer)
 
     def _cost_model(self) -> CostModel:
-        timing = self.recycle.emulate_timing
-        if timing is None or timing.F + timing.B + timing.W == 0:
-            return CostModel.uniform(self.num_stages)
-        return CostModel.uniform(self.num_stages, timing.F, timing.B, timing.W)
+        """The planner's costs: measured (``recycle.profile``) once the replicas agreed on a profile,
+        before that ``recycle.emulate_timing``'s durations, else unit costs."""
+        return self.cost_tracker.in_use
+
+    def _base_cost_model(self) -> CostModel:
+        timing, P = self.recycle.emulate_timing, self.num_stages
+        if timing is None or not any(timing.milliseconds(k, s) > 0 for k in "FBW" for s in range(P)):
+            return CostModel.uniform(P)
+        return CostModel(*(tuple(timing.milliseconds(k, s) for s in range(P)) for k in "FBW"))
+
+    def _setup_profile(self) -> None:
+        timing, D, P = self.recycle.emulate_timing, self.grid.data_parallel_size, self.num_stages
+        if timing is not None:
+            timing.check_topology(D, P)
+        base = self._base_cost_model()
+        measured = base != CostModel.uniform(P)
+        self.cost_tracker = CostTracker(base, self.recycle.profile, self.recycle.stragglers, measured=measured)
+        self.cost_changes: list[CostChange] = []
+        self._op_times = OpTimes(self.recycle.profile.window)
+
+    def _refresh_costs(self) -> None:
+        """At the start of an iteration (every ``profile.interval`` after the warm-up) the live
+        workers agree on their measured op times (one all-reduce over the world); a drift or a
+        straggler change gives every rank the same new cost model, and the iteration runs on the plan
+        for it. Every rank does this at the same iteration, so all switch together."""
+        config, i = self.recycle.profile, self.global_steps
+        if not config.enabled or i <= config.warmup or (i - config.warmup - 1) % config.interval:
+            return
+        D, P = self.grid.data_parallel_size, self.num_stages
+
+        def all_reduce(table: torch.Tensor) -> None:
+            self.waiter.collective(lambda: torch.distributed.all_reduce(table, async_op=True), "the profile exchange")
+
+        table = exchange(self._op_times.row(), self.worker, D, P, all_reduce, self.device)
+        # without training_data only a pipeline's own first and last stage can load its micro-batches
+        inner = range(P) if self.micro_batch_source is not None else range(1, P - 1)
+        self.cost_tracker.straggler_stages = set(inner)
+        decision = self.cost_tracker.update(AgreedProfile.from_table(table, D, P))
+        if decision.costs is None:
+            return
+        before = self.plan
+        self._stream_cache.clear()
+        getattr(self, "_eval_streams", {}).clear()
+        self._fault_free_time = None
+        self.plan = self._current_plan_and_stream()[0]
+        doing_nothing = retime(_with_costs(before, decision.costs)).iteration_time
+        change = CostChange(
+            i,
+            tuple(decision.reasons),
+            decision.costs,
+            tuple(decision.changes),
+            self.plan.iteration_time,
+            self.fault_free_iteration_time(),
+            doing_nothing,
+        )
+        self.cost_changes.append(change)
+        if self.is_lowest_live_rank():
+            self._log_cost_change(change)
+
+    def _log_cost_change(self, change: CostChange) -> None:
+        plan, ff, nothing = change.predicted, change.fault_free, change.doing_nothing
+        versus = (
+            f"predicted {plan:.1f} ({plan / ff:.3f}x fault-free {ff:.1f}; "
+            f"doing nothing {nothing:.1f} = {nothing / ff:.3f}x)"
+        )
+        failed = f" with workers {list(self.grid.failed)} failed" if self.grid.failed else ""
+        for straggler in change.changes:
+            what = "planned as a straggler" if straggler.detected else "released (no longer a straggler)"
+            give = self.plan.extra.get("give", {}).get(f"{straggler.worker[0]},{straggler.worker[1]}", 0)
+            logger.info(
+                f"ReCycle: worker {straggler.worker} {what} at iteration {change.iteration}: its ops take "
+                f"{straggler.slowdown:.2f}x its stage peers'; it runs {self.micro_batches - give} of "
+                f"{self.micro_batches} micro-batches{failed}; new plan {versus}"
+            )
+        if not change.changes:
+            costs = change.costs
+            logger.info(
+                f"ReCycle: new plan from measured costs at iteration {change.iteration} ({'; '.join(change.reasons)}): "
+                f"F {list(costs.F)} B {list(costs.B)} W {list(costs.W)} step {costs.step} ms{failed}; {versus}"
+            )
 
     def _current_plan_and_stream(self) -> tuple[Plan, WorkerStream]:
         failed = self.grid.failed
         if failed not in self._stream_cache:
             D, P, m = self.grid.data_parallel_size, self.num_stages, self.micro_batches
-            if failed:
+            if failed or self._cost_model().slow:  # a straggler is routed around as a failure is
                 plan = self.plan_cache.get_or_plan(
                     D, P, m, failed, costs=self._cost_model(), options=self._schedule_options()
                 )
@@ -583,7 +664,9 @@ class RecyclePipelineEngine(PipelineEngine):
     def fault_free_iteration_time(self) -> float:
         if self._fault_free_time is None:
             D, P, m = self.grid.data_parallel_size, self.num_stages, self.micro_batches
-            plan = fault_free_plan(D, P, m, costs=self._cost_model(), options=self._schedule_options())
+            plan = fault_free_plan(
+                D, P, m, costs=self._cost_model().without_stragglers(), options=self._schedule_options()
+            )
             self._fault_free_time = plan.iteration_time
         return self._fault_free_time
 
@@ -592,6 +675,7 @@ class RecyclePipelineEngine(PipelineEngine):
         self.fwd_outputs = []
         self.instruction_events = []
         emulation = self.recycle.emulate_timing
+        worker = self.worker if self.recycle.enabled else (self.grid.get_data_parallel_id(), self.stage_id)
         for step_cmds in pipe_schedule:
             for cmd in step_cmds:
                 if type(cmd) not in self._INSTRUCTION_MAP:
@@ -599,7 +683,7 @@ class RecyclePipelineEngine(PipelineEngine):
                 started = time.time()
                 self._exec_instr = MethodType(self._INSTRUCTION_MAP[type(cmd)], self)
                 self._exec_instr(**cmd.kwargs)
-                pad_to(cmd, started, emulation)
+                pad_to(cmd, started, emulation, worker)
                 self.instruction_events.append(event_of(cmd, started, time.time()))
         if self.recycle.enabled and isinstance(pipe_schedule, PlannedSchedule):
             started = time.time()
@@ -607,6 +691,8 @@ class RecyclePipelineEngine(PipelineEngine):
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self.instruction_events.append(InstructionEvent("FinishIteration", -1, -1, started, time.time()))
+            if self.global_steps > self.recycle.profile.warmup:
+                self._op_times.record(self.instruction_events)
 
     def allreduce_bucket(self, bucket, dp_group, dp_world_size=None):
         """DeepSpeed's data-parallel gradient reduction, with the same arithmetic, waited for
@@ -774,6 +860,12 @@ class RecyclePipelineEngine(PipelineEngine):
         BackwardWeight: _exec_backward_weight,
         StaggeredStep: _exec_staggered_step,
     }
+
+
+def _with_costs(plan: Plan, costs: CostModel) -> Plan:
+    out = copy.copy(plan)
+    out.costs = costs
+    return out
 
 
 def _as_tuple(value) -> tuple:

@@ -3,7 +3,8 @@
 Every instruction the engine runs is recorded as an event with wall-clock start and end (on one
 host, ``time.time()`` is comparable across ranks). With ``recycle.emulate_timing`` set, F, B and W
 (and a fused stock backward, as B + W) are padded by sleeping until their configured duration,
-so that a few CPU cores can stand in for parallel devices.
+so that a few CPU cores can stand in for parallel devices; a straggler of
+``emulate_timing.slowdown`` is padded to its factor times that.
 """
 
 from __future__ import annotations
@@ -34,14 +35,21 @@ class InstructionEvent:
     end: float
 
 
-def pad_to(instruction, started: float, emulation: TimingEmulation | None) -> None:
-    """Sleep until ``instruction`` has taken its emulated duration since ``started``."""
+def pad_to(instruction, started: float, emulation: TimingEmulation | None, worker: tuple[int, int] = (0, 0)) -> None:
+    """Sleep until ``instruction`` has taken its emulated duration since ``started``: its stage's
+    F, B or W, and for a worker of ``emulation.slowdown`` ``factor`` times the longer of that and
+    the op's real duration. ``worker`` is ``(pipeline, stage)``."""
     if emulation is None:
         return
     kind = _PADDED_KIND.get(type(instruction))
     if kind is None:
         return
-    remaining = emulation.seconds(kind) - (time.time() - started)
+    elapsed = time.time() - started
+    target = emulation.seconds(kind, worker[1])
+    factor = emulation.factor(*worker)
+    if factor != 1.0:
+        target = factor * max(target, elapsed)
+    remaining = target - elapsed
     if remaining > 0:
         time.sleep(remaining)
 
