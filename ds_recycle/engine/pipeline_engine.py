@@ -290,11 +290,18 @@ class RecyclePipelineEngine(PipelineEngine):
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
         """DeepSpeed's checkpoint; while workers are missing, each stage's lowest live replica
-        writes the stage and the lowest live rank writes ``latest`` once every file is written."""
+        writes the stage. The lowest live rank writes ``latest`` once every file is written (after
+        DeepSpeed's last barrier), so that ``latest`` never names a checkpoint that a failure cut
+        short."""
         client_state = client_state or {}
-        if not self.recycle.enabled or not self.grid.failed:
+        if not self.recycle.enabled:
             return super().save_checkpoint(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
         tag = str(tag or f"global_step{self.global_steps}")
+        if not self.grid.failed:
+            saved = super().save_checkpoint(save_dir, tag, client_state, False, exclude_frozen_parameters)
+            if save_latest and self.is_lowest_live_rank():
+                checkpoints.write_latest(save_dir, tag)
+            return saved
         view = checkpoints.writer_view(self.grid, self.module._topo)
         os.makedirs(save_dir, exist_ok=True)
         writes, grid = self.save_non_zero_checkpoint, self.module._grid
@@ -390,8 +397,11 @@ class RecyclePipelineEngine(PipelineEngine):
         if self.runtime is None:
             loss = super().train_batch(data_iter)
         else:
-            loss = self.runtime.train_batch(lambda: super(RecyclePipelineEngine, self).train_batch(data_iter))
-        self._save_if_due()
+            loss = self.runtime.train_batch(
+                lambda: super(RecyclePipelineEngine, self).train_batch(data_iter), self._save_if_due
+            )
+        if self.runtime is None:
+            self._save_if_due()
         if self.monitors and self.is_lowest_live_rank():
             stats = IterationStats(
                 self.global_steps,

@@ -184,13 +184,20 @@ class RankRuntime:
 
     # ---- one iteration ---------------------------------------------------------------------------
 
-    def train_batch(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Run one iteration to its committed end, through any failures and membership changes."""
+    def train_batch(self, run: Callable[[], torch.Tensor], checkpoint: Callable[[], None]) -> torch.Tensor:
+        """Run one iteration to its committed end, through any failures and membership changes.
+
+        ``checkpoint()`` (a save when one is due) runs after the iteration and before the boundary
+        decision, among the members that ran the iteration (a joiner admitted at that boundary has
+        no part in it). A failure while it is written is recovered like any other; that checkpoint
+        is abandoned (``latest`` still names the previous one) and the next is written at its
+        interval."""
         began = time.time()
         while True:
             try:
                 loss = run()
                 self.agent.publish_iteration_seconds(time.time() - began)
+                self._checkpoint(checkpoint)
                 self._at_boundary()
                 return loss
             except PeerFailure as failure:
@@ -201,6 +208,14 @@ class RankRuntime:
                 if not _is_helper_death(error):
                     raise
                 self._leave_after_helper_death(error)
+
+    def _checkpoint(self, checkpoint: Callable[[], None]) -> None:
+        iteration = self.engine.global_steps
+        try:
+            self.engine.waiter.blocking(checkpoint, f"the checkpoint at iteration {iteration}")
+        except PeerFailure as failure:
+            logger.info(f"ReCycle: slot {self.engine.slot} abandons the checkpoint at iteration {iteration}: {failure}")
+            raise
 
     def _at_boundary(self) -> None:
         self._enter_phase(Phase.DECIDING)

@@ -10,7 +10,10 @@ and ranks that are not talking to the dead peer never notice it (docs/design.md 
   caller polls; after a failure that thread is abandoned (it may stay blocked until the group's
   finite timeout) and a fresh one serves the next op;
 - a gloo error on any op is a failure too: the caller stops at once and waits for the coordinator
-  to say who failed.
+  to say who failed;
+- a blocking call that ReCycle does not own (DeepSpeed's ``save_checkpoint``, whose barriers and
+  tag all-reduce are synchronous) runs in a thread of its own while the caller polls, and is
+  abandoned the same way.
 """
 
 from __future__ import annotations
@@ -145,6 +148,35 @@ class Waiter:
             done.wait(SPIN_SECONDS if spins < 200 else POLL_SECONDS)
         if outcome and outcome[0] is not None:
             raise PeerFailure(f"{what}: {outcome[0]}") from outcome[0]
+
+    def blocking(self, call: Callable[[], object], what: str) -> object:
+        """``call()``'s result; it runs in a thread of its own so that a failure announced while it
+        blocks in a collective stops the caller (the thread is abandoned). A gloo error in it is a
+        failure; any other error is raised as it is."""
+        self.check(what)
+        outcome: list = []
+
+        def target() -> None:
+            try:
+                outcome.append((True, call()))
+            except BaseException as error:  # reported to the waiting caller
+                outcome.append((False, error))
+
+        thread = threading.Thread(target=target, name="recycle-blocking-call", daemon=True)
+        thread.start()
+        spins = 0
+        while thread.is_alive():
+            if self.failed.is_set():
+                exit_guard.abandoned(thread)
+                raise PeerFailure(f"a failure was announced during {what}")
+            spins += 1
+            thread.join(SPIN_SECONDS if spins < 200 else POLL_SECONDS)
+        ok, value = outcome[0]
+        if ok:
+            return value
+        if isinstance(value, RuntimeError):  # gloo reports a closed peer so
+            raise PeerFailure(f"{what}: {value}") from value
+        raise value
 
     def _helper(self) -> queue.Queue:
         if self._requests is None:

@@ -2,8 +2,10 @@
 sent from outside (by a test or a benchmark) lands exactly there while the rank's peers wait on it.
 
 Points: ``F``, ``B``, ``W`` (before the iteration's first instruction of that kind), ``allreduce``
-(before the data-parallel all-reduce), ``stepped`` (right after the stage's StaggeredStep) and
-``recovery`` (when the rank's runtime enters ``Phase.RECOVERING``, at or after the iteration).
+(before the data-parallel all-reduce), ``stepped`` (right after the stage's StaggeredStep),
+``recovery`` (when the rank's runtime enters ``Phase.RECOVERING``, at or after the iteration) and
+``checkpoint`` (inside DeepSpeed's ``save_checkpoint`` after its first barrier, before this rank
+writes its files; the iteration is the one just finished).
 
 Traps come from the rank's command line (``SLOT:POINT:ITERATION``, see :meth:`Trap.parse`) or from
 a file the driver rewrites while the job runs (``out/trap<slot>``: ``POINT:ITERATION:TOKEN[:stay]``,
@@ -14,7 +16,7 @@ command-line trap, or at a file trap marked ``stay``, stays parked when it is as
 parking and goes on to its boundary.
 
 Only the given engine instance is changed: the wrappers shadow its instruction map and its
-``allreduce_bucket``, and a listener is added to its runtime's ``phase_listeners``.
+``allreduce_bucket`` and ``_save_checkpoint``, and a listener is added to its runtime's ``phase_listeners``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-POINTS = ("F", "B", "W", "allreduce", "stepped", "recovery")
+POINTS = ("F", "B", "W", "allreduce", "stepped", "recovery", "checkpoint")
 PARK_SECONDS = 120.0
 """A parked rank goes on by itself after this long (the driver's signal normally ends it first)."""
 
@@ -150,6 +152,14 @@ class FaultPlan:
                 return allreduce(*args, **kwargs)
 
             engine.allreduce_bucket = trapped_allreduce
+        if "checkpoint" in points:
+            write = engine._save_checkpoint
+
+            def trapped_write(*args, **kwargs):
+                self._check("checkpoint")
+                return write(*args, **kwargs)
+
+            engine._save_checkpoint = trapped_write
         if "recovery" in points:
             engine.runtime.phase_listeners.append(
                 lambda phase: self._check("recovery") if phase is Phase.RECOVERING else None

@@ -192,3 +192,39 @@ def test_a_failure_and_a_join_decided_in_one_recovery(tmp_path, tmp_path_factory
     check(job, reference, 2)
     survivor = (tmp_path / "logs" / f"rank{slot(dp, 1, 0)}.log").read_text()
     assert "failed [(0, 0)] joined [(1, 2)]" in survivor, survivor[-3000:]
+
+
+def test_a_failure_while_a_checkpoint_is_written_is_recovered_and_latest_stays_whole(tmp_path, tmp_path_factory):
+    """pp=2 x dp=2 with recycle.checkpoint every 4 iterations. Worker (0, 1) is SIGKILLed and later
+    worker (1, 0) SIGSTOPped inside DeepSpeed's save_checkpoint (after its first barrier, before the
+    rank writes its files), while their peers wait in DeepSpeed's blocking barriers. Both are
+    detected as any failure is (the hang at the 3 s heartbeat timeout, not at the group's 120 s):
+    the survivors abandon that checkpoint, go on without the worker, and the respawn re-joins.
+    ``latest`` only ever names a checkpoint whose files every stage wrote; the job ends equal to a
+    fault-free run."""
+    pp, dp = 2, 2
+    reference = fault_free(tmp_path_factory, pp, dp, STEPS, "adam")
+    config = job_config()
+    checkpoints = tmp_path / "checkpoints"
+    config["recycle"]["checkpoint"] = {"dir": str(checkpoints), "interval": 4}
+    killed, hung = slot(dp, 0, 1), slot(dp, 1, 0)
+    job = Job(tmp_path, pp, dp, STEPS, config, "adam", traps=[f"{killed}:checkpoint:8", f"{hung}:checkpoint:16"])
+    job.launcher_args = ["--heartbeat-min-timeout", HANG_TIMEOUT]
+    job.start()
+    try:
+        run_faults(job, [([killed], signal.SIGKILL)])
+        assert (checkpoints / "latest").read_text() != "global_step8", "a checkpoint cut short is not latest"
+        run_faults(job, [([hung], signal.SIGSTOP)])
+    except BaseException:
+        job.kill()
+        raise
+    logs = "\n".join(path.read_text() for path in sorted((job.tmp / "logs").glob("*.log")))
+    for iteration in (8, 16):
+        assert re.search(rf"abandons the checkpoint at iteration {iteration}: ", logs), logs[-3000:]
+    check(job, reference, 2)
+    assert job.count(rf"published failure of slot {hung}: heartbeat stale") == 1, "the SIGSTOP is a hang"
+    tag = (checkpoints / "latest").read_text()
+    assert tag == f"global_step{STEPS}", tag
+    written = sorted(path.name for path in (checkpoints / tag).iterdir())
+    assert [name for name in written if name.startswith("layer_")], written
+    assert "mp_rank_00_model_states.pt" in written, written
