@@ -10,12 +10,14 @@ script only three things change: the import, ``Trainer``/``TrainingArguments`` -
 
 The model is built from a ``LlamaConfig`` (nothing is downloaded); the data are fixed-length
 windows of the corpus shipped with ds_recycle, tokenized by characters, with some rows
-right-padded so that the attention mask is exercised. ``--dump_params DIR`` writes each rank's
-final parameters (used by the tests).
+right-padded so that the attention mask is exercised. ``--eval_samples N`` adds an eval set
+(windows shifted by half a window), evaluated at ``--eval_strategy`` and after training, with the
+perplexity. ``--dump_params DIR`` writes each rank's final parameters (used by the tests).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -38,6 +40,7 @@ class ModelArguments:
     num_heads: int = field(default=4)
     seq_len: int = field(default=32)
     samples: int = field(default=1024, metadata={"help": "training windows drawn from the corpus"})
+    eval_samples: int = field(default=0, metadata={"help": "eval windows (0: no eval set)"})
     tie_word_embeddings: bool = field(default=True)
     dump_params: str | None = field(default=None, metadata={"help": "write rank<N>.pt with final parameters here"})
 
@@ -81,11 +84,22 @@ def main() -> None:
         bos_token_id=None,
         eos_token_id=None,
     )
+    eval_dataset = None
+    if model_args.eval_samples:
+        eval_dataset = CorpusWindows(tokens[model_args.seq_len // 2 :], model_args.seq_len, model_args.eval_samples)
     trainer = RecycleTrainer(
-        model=config, args=args, train_dataset=CorpusWindows(tokens, model_args.seq_len, model_args.samples)
+        model=config,
+        args=args,
+        train_dataset=CorpusWindows(tokens, model_args.seq_len, model_args.samples),
+        eval_dataset=eval_dataset,
     )
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model(os.path.join(args.output_dir, "final"))
+    metrics = {}
+    if eval_dataset is not None:
+        metrics = trainer.evaluate()
+        metrics["perplexity"] = math.exp(metrics["eval_loss"])
+        trainer.log_metrics("eval", metrics)
 
     if model_args.dump_params:
         os.makedirs(model_args.dump_params, exist_ok=True)
@@ -96,6 +110,7 @@ def main() -> None:
                 "hf_params": {k: v.detach().clone() for k, v in to_hf_state_dict(trainer.model).items()},
                 "stage": trainer.engine.stage_id,
                 "log_history": trainer.state.log_history,
+                "eval_metrics": metrics,
                 "global_step": trainer.state.global_step,
                 "leader": trainer.is_world_process_zero(),
             },

@@ -6,6 +6,7 @@ parameters of the uninterrupted run bit for bit, and ``save_model`` output loads
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 from pathlib import Path
@@ -41,6 +42,9 @@ def example_arguments(out: Path, *extra: str, wandb: bool = False) -> list[str]:
         "--num_layers", "2",
         "--seq_len", "16",
         "--samples", "128",
+        "--eval_samples", "32",
+        "--eval_strategy", "steps",
+        "--eval_steps", "3",
         "--report_to", "wandb" if wandb else "none",
         "--disable_tqdm", "true",
         "--dump_params", str(out / "dump"),
@@ -87,6 +91,13 @@ def test_loss_falls_and_trainer_logs_as_usual(runs):
     assert history[-1]["loss"] < history[0]["loss"] - 0.2
     assert all({"grad_norm", "learning_rate", "epoch"} <= set(h) for h in history)
     assert history[0]["learning_rate"] == 0.0  # linear warm-up from 0, as HF reports it
+    evaluated = [h for h in dumps[0]["log_history"] if "eval_loss" in h]
+    assert [h["step"] for h in evaluated] == [3, 6, 6]  # eval_steps=3, then the example's evaluate()
+    assert evaluated[1]["eval_loss"] < evaluated[0]["eval_loss"]
+    for dump in dumps.values():
+        metrics = dump["eval_metrics"]
+        assert metrics["eval_loss"] == evaluated[-1]["eval_loss"]
+        assert metrics["perplexity"] == pytest.approx(math.exp(metrics["eval_loss"]))
     assert sum(d["leader"] for d in dumps.values()) == 1
     for step in (3, 6):
         checkpoint = out / f"checkpoint-{step}"
@@ -182,6 +193,18 @@ def test_killing_rank_0_keeps_the_fault_free_math_and_the_wandb_run(runs, tmp_pa
     assert event["recycle/live_workers/stage_0"] == 1 and event["recycle/event/recovery_s"] > 0
     assert [r["train/global_step"] for r in after if "train/loss" in r] == list(range(3, STEPS + 1))
     assert [r["train/global_step"] for r in after if "recycle/iteration_time_s" in r] == list(range(3, STEPS + 1))
+    assert [r["train/global_step"] for r in after if "eval/loss" in r] == [3, 6, 6]
+    assert_fault_free_evaluation(dumps, full)
+
+
+def assert_fault_free_evaluation(dumps: dict[int, dict], full: dict[int, dict]) -> None:
+    """The evaluations (a degraded grid's among them) give the fault-free run's eval losses."""
+    reference = [(h["step"], h["eval_loss"]) for h in full[1]["log_history"] if "eval_loss" in h]
+    for rank, dump in dumps.items():
+        evaluated = [(h["step"], h["eval_loss"]) for h in dump["log_history"] if "eval_loss" in h]
+        assert [step for step, _ in evaluated] == [step for step, _ in reference], f"rank {rank}"
+        for (step, loss), (_, want) in zip(evaluated, reference, strict=True):
+            assert loss == pytest.approx(want, rel=1e-5), f"rank {rank} step {step}"
 
 
 @pytest.mark.parametrize("killed", [2, 0], ids=["rank2", "leader"])
@@ -221,3 +244,4 @@ def test_a_killed_rank_rejoins_and_the_trainer_takes_up_the_job(runs, tmp_path, 
         assert [step for step, _ in logged] == list(range(1, STEPS + 1)), f"rank {rank}: {logged}"
         for (step, loss), (_, want) in zip(logged, reference, strict=True):
             assert loss == pytest.approx(want, rel=1e-5), f"rank {rank} step {step}"
+    assert_fault_free_evaluation({rank: torch.load(out / "dump" / f"rank{rank}.pt") for rank in range(WORLD)}, full)
