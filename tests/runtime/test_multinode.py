@@ -193,6 +193,19 @@ def wait_until(condition, what: str, agents: list[Agent], timeout: float = 120.0
     raise AssertionError(f"timed out waiting for {what}:\n" + "\n".join(line for a in agents for line in a.lines[-30:]))
 
 
+def readmit_and_finish(job: Job, agents: list[Agent], lost: int, port: int, network: Network | None = None) -> list:
+    """Start the lost node's agent again, wait until both its slots' joins are accepted, release the
+    survivors' hold and wait for the job's end; the agents that finished it."""
+    agents.append(Agent(job, lost, port, incarnation=1, network=network))
+    coordinator = agents[0].events
+    for s in range(lost * PER_NODE, (lost + 1) * PER_NODE):
+        wait_until(lambda s=s: coordinator.count("accepted", kind="join", slot=s) == 1, f"slot {s}'s join", agents)
+    job.hold(None)
+    live = [agent for node, agent in enumerate(agents[:NODES]) if node != lost] + [agents[-1]]
+    wait_until(lambda: all(a.proc.poll() is not None for a in live), "the job's end", agents, 240)
+    return live
+
+
 def count(agents: list[Agent], pattern: str) -> int:
     regex = re.compile(pattern)
     return sum(bool(regex.search(line)) for agent in agents for line in list(agent.lines))
@@ -229,13 +242,7 @@ def test_a_node_lost_as_a_whole_is_survived_and_readmitted(tmp_path, tmp_path_fa
             assert count(agents[lost : lost + 1], rf"node {lost} fences itself: no lease renewal") == 1
         survivors = [s for s in range(PP * DP) if s not in lost_slots]
         wait_until(lambda: min(job.progress(s) for s in survivors) > iteration, "survivors on the new plan", agents)
-        agents.append(Agent(job, lost, port, incarnation=1))
-        coordinator = agents[0].events
-        for s in lost_slots:
-            wait_until(lambda s=s: coordinator.count("accepted", kind="join", slot=s) == 1, f"slot {s}'s join", agents)
-        job.hold(None)
-        live = [agents[0], agents[1], agents[-1]]
-        wait_until(lambda: all(a.proc.poll() is not None for a in live), "the job's end", agents, 240)
+        live = readmit_and_finish(job, agents, lost, port)
     except BaseException:
         for agent in agents:
             agent.kill()
@@ -347,13 +354,7 @@ def test_a_partitioned_node_fences_itself_and_the_survivors_go_on(tmp_path, tmp_
         published = agents[0].events.wait_for("published_failure", 1, timeout=10, slot=lost_slots[0])
         print(f"link down to the node's failure published: {published['time'] - cut_at:.2f} s (lease 2 s)")
         network.cut(lost, up=True)
-        agents.append(Agent(job, lost, port, incarnation=1, network=network))
-        coordinator = agents[0].events
-        for s in lost_slots:
-            wait_until(lambda s=s: coordinator.count("accepted", kind="join", slot=s) == 1, f"slot {s}'s join", agents)
-        job.hold(None)
-        live = [agents[0], agents[1], agents[-1]]
-        wait_until(lambda: all(a.proc.poll() is not None for a in live), "the job's end", agents, 240)
+        live = readmit_and_finish(job, agents, lost, port, network)
     except BaseException:
         for agent in agents:
             agent.kill()
