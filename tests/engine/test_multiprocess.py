@@ -15,6 +15,7 @@ from ds_recycle.models import GPTReference, lm_loss
 from ds_recycle.planner.fault_free import fault_free_plan
 from ds_recycle.planner.list_scheduler import ScheduleOptions
 from ds_recycle.planner.lowering import lower, stream_kinds
+from ds_recycle.planner.plan import CostModel
 from ds_recycle.testing.tiny import TINY_GPT, ds_config
 
 pytestmark = pytest.mark.multiprocess
@@ -232,7 +233,10 @@ def test_later_stages_step_before_stage0_finishes_its_backward(topology_4x1):
 @pytest.mark.parametrize("topology", ["topology_2x2", "topology_4x1"])
 def test_engine_runs_the_planners_fault_free_schedule(request, topology):
     pp, dp, m, dumps = request.getfixturevalue(topology)
-    streams = lower(fault_free_plan(dp, pp, m, options=ScheduleOptions()))
+    # the plan of the costs the replicas agreed on (recycle.profile: measured after the warm-up)
+    costs = CostModel.from_dict(dumps["recycle-sgd"][0]["costs"][-1])
+    streams = lower(fault_free_plan(dp, pp, m, costs=costs, options=ScheduleOptions()))
     for dump in dumps["recycle-sgd"]:
+        assert dump["costs"] == dumps["recycle-sgd"][0]["costs"]
         ran = [(EVENT_KIND[name], home, mb) for name, home, mb, *_t in dump["events"][-1] if name in EVENT_KIND]
         assert ran == stream_kinds(streams[(dump["pipeline"], dump["stage"])])

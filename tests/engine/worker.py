@@ -3,7 +3,7 @@
 For each run in --runs (a JSON list), it builds the GPT pipeline afresh from the same seed,
 initializes the requested engine, trains --steps iterations on the deterministic provider, evaluates one
 batch, and writes out/<run>/rank<N>.pt with the losses, the eval loss, initial and final parameters, instruction events
-and, for ReCycle, the global gradient norms it computed.
+and, for ReCycle, the global gradient norms it computed and the cost model it planned with.
 """
 
 from __future__ import annotations
@@ -58,12 +58,14 @@ def run_one(run: dict, pp: int, steps: int, out: Path) -> None:
     data = pipeline_iterator(provider, engine.grid.get_data_parallel_id(), engine.gradient_accumulation_steps())
     if dataset is not None:
         data = None  # the engine loads from training_data itself
-    losses, norms, events = [], [], []
+    losses, norms, events, costs = [], [], [], []
     for _ in range(steps):
         losses.append(float(engine.train_batch(data)))
         stepper = getattr(engine, "stepper", None)
         norms.append(getattr(stepper, "last_grad_norm", None))
         events.append([tuple(vars(e).values()) for e in getattr(engine, "instruction_events", [])])
+        tracker = getattr(engine, "cost_tracker", None)
+        costs.append(None if tracker is None else tracker.in_use.to_dict())
     eval_data = pipeline_iterator(
         provider, engine.grid.get_data_parallel_id(), engine.gradient_accumulation_steps(), 99
     )
@@ -82,6 +84,7 @@ def run_one(run: dict, pp: int, steps: int, out: Path) -> None:
             "initial": initial,
             "params": {k: v.detach().clone() for k, v in engine.module.state_dict().items()},
             "events": events,
+            "costs": costs,
         },
         out / run["name"] / f"rank{rank}.pt",
     )
