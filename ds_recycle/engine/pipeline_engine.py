@@ -508,7 +508,7 @@ class RecyclePipelineEngine(PipelineEngine):
         key = (failed, micro_batches)
         if key not in self._eval_streams:
             D, P = self.grid.data_parallel_size, self.num_stages
-            if failed:
+            if failed or self._cost_model().slow:
                 costs, options = self._cost_model(), self._schedule_options()
                 plan = self.plan_cache.get_or_plan(D, P, micro_batches, failed, costs=costs, options=options)
             else:
@@ -534,13 +534,15 @@ class RecyclePipelineEngine(PipelineEngine):
 
     def _eval_loss(self, evaluation: Evaluation) -> torch.Tensor:
         """DeepSpeed's reduction: per pipeline the sum of its micro-batches' losses in order over
-        m, then the all-reduce over the pipelines divided by D, then sent to every stage. A
-        missing last-stage worker's pipeline is summed by the live worker that stands in for it
-        (``grid.partner``), after the last stage's workers have shared every micro-batch's loss."""
+        m (in the loss's dtype), then the all-reduce over the pipelines divided by D, then sent to
+        every stage as fp32. A missing last-stage worker's pipeline is summed by the live worker
+        that stands in for it (``grid.partner``), after the last stage's workers have shared every
+        micro-batch's loss."""
         grid, m = self.grid, evaluation.micro_batches
         last = self.num_stages - 1
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.is_last_stage():
+            dtype = next(iter(evaluation.losses.values())).dtype if evaluation.losses else torch.float32
             table = torch.zeros(grid.data_parallel_size, m, dtype=torch.float32, device=self.device)
             for (home, mb), value in evaluation.losses.items():
                 if value.numel() != 1:
@@ -551,9 +553,10 @@ class RecyclePipelineEngine(PipelineEngine):
                 self.waiter.collective(
                     lambda: torch.distributed.all_reduce(table, group=group, async_op=True), "the eval losses' exchange"
                 )
+            losses = table.to(dtype)  # exact: the losses were of this dtype
             total = None
             for home in grid.served_by(self.worker):
-                mean = sum(table[home, mb] for mb in range(m)) / m
+                mean = sum(losses[home, mb] for mb in range(m)) / m
                 total = mean if total is None else total + mean
             if grid.data_parallel_size > 1:
                 self.waiter.collective(

@@ -72,6 +72,8 @@ def run_one(run: dict, pp: int, steps: int, out: Path) -> None:
     provider = TokenWindowProvider(tokens, cfg.seq_len, engine.train_micro_batch_size_per_gpu(), seed=0)
     data = pipeline_iterator(provider, engine.grid.get_data_parallel_id(), engine.gradient_accumulation_steps())
     losses = [float(engine.train_batch(data)) for _ in range(steps)]
+    home, m = engine.grid.get_data_parallel_id(), engine.gradient_accumulation_steps()
+    eval_loss = float(engine.eval_batch(pipeline_iterator(provider, home, m, start_iteration=99)))
     rank = dist.get_rank()
     (out / run["name"]).mkdir(parents=True, exist_ok=True)
     torch.save(
@@ -79,6 +81,7 @@ def run_one(run: dict, pp: int, steps: int, out: Path) -> None:
             "rank": rank,
             "stage": engine.stage_id,
             "losses": losses,
+            "eval_loss": eval_loss,
             "params": {k: v.detach().clone() for k, v in engine.module.state_dict().items()},
             "param_dtypes": sorted({str(p.dtype) for p in engine.module.parameters()}),
             "sent_dtypes": sorted(set(sent)),

@@ -64,6 +64,7 @@ def dumps(tmp_path_factory) -> dict[str, list[dict]]:
 def _assert_bitwise(expected: list[dict], actual: list[dict]) -> None:
     for want, got in zip(expected, actual, strict=True):
         assert got["losses"] == want["losses"], f"rank {got['rank']}: {got['losses']} != {want['losses']}"
+        assert got["eval_loss"] == want["eval_loss"], f"rank {got['rank']}: eval loss differs"
         for name, value in want["params"].items():
             diff = (got["params"][name] - value).abs().max().item()
             assert torch.equal(got["params"][name], value), f"rank {got['rank']} {name}: max |diff| {diff:.3e}"
