@@ -34,7 +34,7 @@ from ds_recycle.config import RecycleConfig, RecycleConfigError
 from ds_recycle.engine import autocast_p2p
 from ds_recycle.engine import checkpoint as checkpoints
 from ds_recycle.engine.backward_split import backward_input, backward_weight
-from ds_recycle.engine.profile import AgreedProfile, CostChange, CostTracker, OpTimes, exchange
+from ds_recycle.engine.profile import CostChange, CostTracker, OpTimes, agree
 from ds_recycle.engine.routing import ACTIVATION, GRADIENT, PeerChannel
 from ds_recycle.engine.staggered_step import StageStepper
 from ds_recycle.engine.timing import InstructionEvent, event_of, pad_to
@@ -599,25 +599,29 @@ class RecyclePipelineEngine(PipelineEngine):
         self.cost_tracker = CostTracker(base, self.recycle.profile, self.recycle.stragglers, measured=measured)
         self.cost_changes: list[CostChange] = []
         self._op_times = OpTimes(self.recycle.profile.window)
+        self._profile_epoch: int | None = None
 
     def _refresh_costs(self) -> None:
-        """At the start of an iteration (every ``profile.interval`` after the warm-up) the live
-        workers agree on their measured op times (one all-reduce over the world); a drift or a
+        """At the start of an iteration (every ``profile.interval`` after the warm-up, and the first
+        of every epoch) the live workers agree on their measured op times and the tracker's state
+        (:func:`~ds_recycle.engine.profile.agree`, all-reduces over the world); a drift or a
         straggler change gives every rank the same new cost model, and the iteration runs on the plan
         for it. Every rank does this at the same iteration, so all switch together."""
-        config, i = self.recycle.profile, self.global_steps
-        if not config.enabled or i <= config.warmup or (i - config.warmup - 1) % config.interval:
+        config, i, epoch = self.recycle.profile, self.global_steps, self.grid.membership.epoch
+        due = (i - config.warmup - 1) % config.interval == 0 or epoch != self._profile_epoch
+        if not config.enabled or i <= config.warmup or not due:
             return
+        self._profile_epoch = epoch
         D, P = self.grid.data_parallel_size, self.num_stages
 
         def all_reduce(table: torch.Tensor) -> None:
             self.waiter.collective(lambda: torch.distributed.all_reduce(table, async_op=True), "the profile exchange")
 
-        table = exchange(self._op_times.row(), self.worker, D, P, all_reduce, self.device)
+        profile = agree(self.cost_tracker, self._op_times.row(), self.worker, D, P, all_reduce, self.device)
         # without training_data only a pipeline's own first and last stage can load its micro-batches
         inner = range(P) if self.micro_batch_source is not None else range(1, P - 1)
         self.cost_tracker.straggler_stages = set(inner)
-        decision = self.cost_tracker.update(AgreedProfile.from_table(table, D, P))
+        decision = self.cost_tracker.update(profile)
         if decision.costs is None:
             return
         before = self.plan

@@ -2,11 +2,14 @@
 
 Every worker keeps the durations of its F, B, W and step (``StaggeredStep``) over its last
 ``recycle.profile.window`` completed iterations (:class:`OpTimes`). Every ``interval`` iterations,
-at the start of an iteration, the live workers agree on them in one all-reduce over the world
-(:func:`exchange`): each writes its own row (its medians) of a ``D*P`` table and zeros elsewhere,
-so the sum is every row exactly, on every rank, whatever the reduction order. From that one table
-every rank derives the same :class:`AgreedProfile` and the same decision (:class:`CostTracker`),
-so every rank switches to the same plan at the same iteration.
+and at the first iteration of every membership epoch, at the start of the iteration, the live
+workers agree on them in an all-reduce over the world (:func:`agree`): each writes its own row
+(its medians) of a ``D*P`` table and zeros elsewhere, so the sum is every row exactly, on every
+rank, whatever the reduction order; a second one gives every rank the cost tracker's state of one
+worker (so that a joiner, or a rank whose last agreement completed while a peer's failed, holds
+the same state as the others). From that every rank derives the same :class:`AgreedProfile` and
+the same decision (:class:`CostTracker`), so every rank switches to the same plan at the same
+iteration.
 
 A stage's cost of a kind is the lower median of its replicas' medians (the faster of two, the
 second of four), so that one slow replica does not set its stage's cost. A worker's slowdown is
@@ -70,10 +73,30 @@ def exchange(
 ) -> list[list[float]]:
     """Every live worker's row, by ``pipeline * stages + stage``: ``all_reduce(tensor)`` sums the
     table in place (each rank fills only its own row, so the sum is exact on every rank)."""
-    table = torch.zeros(pipelines * stages, ROW, dtype=torch.float64, device=device)
+    table = torch.zeros(pipelines * stages, len(row), dtype=torch.float64, device=device)
     table[worker[0] * stages + worker[1]] = torch.tensor(row, dtype=torch.float64, device=device)
     all_reduce(table)
     return table.tolist()
+
+
+def agree(
+    tracker: CostTracker, row: list[float], worker: Worker, pipelines: int, stages: int, all_reduce, device="cpu"
+) -> AgreedProfile:
+    """One agreement: every live worker's measurements, and the cost tracker's state, which every
+    rank then holds identically. The state is that of the lowest worker that has taken part in an
+    agreement before: a process that joined (fresh state) or one whose last agreement completed
+    while a peer's failed (one update ahead) takes it over, so the trackers never stay apart."""
+    table = exchange([*row, 1.0 if tracker.exchanges else 0.0], worker, pipelines, stages, all_reduce, device)
+    leaders = [i for i, r in enumerate(table) if r[ROW] > 0]
+    if leaders:
+        state = tracker.state(pipelines) if leaders[0] == worker[0] * stages + worker[1] else None
+        size = len(tracker.state(pipelines))
+        vector = torch.zeros(1, size, dtype=torch.float64, device=device)
+        if state is not None:
+            vector[0] = torch.tensor(state, dtype=torch.float64, device=device)
+        all_reduce(vector)
+        tracker.load_state(vector[0].tolist(), pipelines)
+    return AgreedProfile.from_table([r[:ROW] for r in table], pipelines, stages)
 
 
 def _lower_median(values: list[float]) -> float:
@@ -168,6 +191,39 @@ class CostTracker:
         self.below: dict[Worker, int] = {}
         self.stragglers: dict[Worker, float] = dict(base.stragglers())
         self.last: AgreedProfile | None = None
+        self.exchanges = 0
+        """Agreements this tracker took part in."""
+
+    def state(self, pipelines: int) -> list[float]:
+        """Everything :meth:`update` depends on, as numbers (:meth:`load_state` reads it back)."""
+        costs, P = self.in_use, self.in_use.stages
+        workers = [(p, s) for p in range(pipelines) for s in range(P)]
+        return [
+            float(self.measured),
+            float(self.exchanges),
+            *costs.F,
+            *costs.B,
+            *costs.W,
+            costs.comm,
+            costs.step,
+            *(self.stragglers.get(w, 0.0) for w in workers),
+            *(float(self.above.get(w, 0)) for w in workers),
+            *(float(self.below.get(w, 0)) for w in workers),
+        ]
+
+    def load_state(self, state: list[float], pipelines: int) -> None:
+        P = self.in_use.stages
+        workers = [(p, s) for p in range(pipelines) for s in range(P)]
+        n = len(workers)
+        self.measured, self.exchanges = bool(state[0]), int(state[1])
+        F, B, W = (tuple(state[2 + i * P : 2 + (i + 1) * P]) for i in range(3))
+        comm, step = state[2 + 3 * P], state[3 + 3 * P]
+        rest = state[4 + 3 * P :]
+        self.stragglers = {w: f for w, f in zip(workers, rest[:n], strict=True) if f > 0}
+        self.above = {w: int(c) for w, c in zip(workers, rest[n : 2 * n], strict=True) if c}
+        self.below = {w: int(c) for w, c in zip(workers, rest[2 * n :], strict=True) if c}
+        slow = tuple((p, s, f) for (p, s), f in self.stragglers.items())
+        self.in_use = CostModel(F, B, W, comm, step, slow)
 
     @property
     def release_level(self) -> float:
@@ -175,6 +231,7 @@ class CostTracker:
 
     def update(self, profile: AgreedProfile) -> CostDecision:
         self.last = profile
+        self.exchanges += 1
         current = self.in_use
         stages = current.stages
         decision = CostDecision(None)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
+import torch
 
 from ds_recycle.config import ProfileConfig, RecycleConfig, RecycleConfigError, StragglerConfig, TimingEmulation
-from ds_recycle.engine.profile import ROW, AgreedProfile, CostTracker, OpTimes, exchange
+from ds_recycle.engine.profile import ROW, AgreedProfile, CostTracker, OpTimes, agree, exchange
 from ds_recycle.engine.timing import InstructionEvent
 from ds_recycle.planner.plan import CostModel
 
@@ -154,3 +157,63 @@ def test_bad_values_name_the_key_and_what_is_allowed(section, message):
     with pytest.raises(RecycleConfigError) as err:
         RecycleConfig.from_section(section)
     assert message in str(err.value)
+
+
+class FakeWorld:
+    """An all-reduce (sum) among threads, one per rank."""
+
+    def __init__(self, ranks: int) -> None:
+        self.barrier = threading.Barrier(ranks)
+        self.tensors: dict[int, torch.Tensor] = {}
+        self.lock = threading.Lock()
+
+    def all_reduce(self, rank: int, tensor: torch.Tensor) -> None:
+        with self.lock:
+            self.tensors[rank] = tensor.clone()
+        self.barrier.wait()
+        total = sum(self.tensors.values())
+        self.barrier.wait()
+        tensor.copy_(total)
+
+
+def test_agreement_hands_the_state_to_a_joiner_and_heals_a_rank_one_update_ahead():
+    D, P = 2, 2
+    rows = {(p, s): (10.0, 10.0, 5.0) for p in range(D) for s in range(P)}
+    rows[(1, 1)] = (25.0, 25.0, 12.5)
+    trackers = {w: tracker() for w in rows}
+    for costs in trackers.values():  # two agreements everyone took part in: (1, 1) is planned as a straggler
+        for _ in range(2):
+            costs.update(AgreedProfile.from_table(table(rows, D, P), D, P))
+    assert trackers[(0, 0)].in_use.stragglers() == {(1, 1): 2.5}
+    trackers[(0, 1)] = tracker()  # a joiner: fresh state
+    trackers[(1, 0)].update(AgreedProfile.from_table(table(rows, D, P), D, P))  # one ahead
+    world = FakeWorld(D * P)
+    results: dict = {}
+
+    def run(rank: int, worker) -> None:
+        times = OpTimes(2)
+        times.record(events(*rows[worker]))
+        reduce = lambda t: world.all_reduce(rank, t)  # noqa: E731
+        profile = agree(trackers[worker], times.row(), worker, D, P, reduce)
+        results[worker] = (profile, trackers[worker].update(profile).costs, trackers[worker].state(D))
+
+    threads = [threading.Thread(target=run, args=(i, w)) for i, w in enumerate(rows)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert len(results) == D * P
+    profiles, _decisions, states = zip(*results.values(), strict=True)
+    assert all(p == profiles[0] for p in profiles) and all(s == states[0] for s in states)
+    assert all(t.in_use == trackers[(0, 0)].in_use for t in trackers.values())
+    assert trackers[(0, 1)].in_use.stragglers() == {(1, 1): 2.5}
+
+
+def test_tracker_state_round_trips():
+    costs = tracker(CostModel((1.0, 2.0), (3.0, 4.0), (5.0, 6.0), 0.5, 7.0, ((1, 0, 1.5),)))
+    costs.above[(0, 1)] = 1
+    costs.exchanges = 3
+    other = tracker()
+    other.load_state(costs.state(2), 2)
+    assert other.in_use == costs.in_use and other.above == {(0, 1): 1} and other.exchanges == 3
+    assert other.stragglers == {(1, 0): 1.5}
