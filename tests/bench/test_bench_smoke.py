@@ -22,8 +22,9 @@ SMOKE = {
     "failures.py": ["--smoke"],
     "fault_campaign.py": ["--smoke"],
     "multinode.py": ["--smoke"],
+    "evaluation.py": ["--smoke"],
 }
-MULTIPROCESS = {"engine_vs_stock.py", "failures.py", "fault_campaign.py", "multinode.py"}
+MULTIPROCESS = {"engine_vs_stock.py", "failures.py", "fault_campaign.py", "multinode.py", "evaluation.py"}
 TIMEOUT = 300
 
 
