@@ -15,7 +15,8 @@ A stage's cost of a kind is the lower median of its replicas' medians (the faste
 second of four), so that one slow replica does not set its stage's cost. A worker's slowdown is
 its F + B + W against the lower median of its stage peers'; above ``recycle.stragglers.threshold``
 for ``patience`` agreements in a row it is planned as a straggler (``CostModel.slow``), and below
-``1 + (threshold - 1) / 2`` for as many it is released. Being slow never fails a worker.
+``1 + (threshold - 1) / 2`` for as many it is released. Being slow never fails a worker. Costs
+that drift beyond ``recycle.profile.drift`` in two agreements in a row re-plan.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ ROW = 2 * len(KINDS) + 1
 """A worker's row of the agreed table (milliseconds): its median F, B, W, S, their lower quartiles,
 and its iteration count."""
 COUNT = ROW - 1
+DRIFT_PATIENCE = 2
+"""Agreements in a row whose costs drifted before a re-plan: one delayed op on a busy host is no drift."""
 QUARTILE = len(KINDS)
 
 
@@ -193,6 +196,8 @@ class CostTracker:
         self.last: AgreedProfile | None = None
         self.exchanges = 0
         """Agreements this tracker took part in."""
+        self.drifting = 0
+        """Consecutive agreements whose costs drifted beyond ``profile.drift``."""
 
     def state(self, pipelines: int) -> list[float]:
         """Everything :meth:`update` depends on, as numbers (:meth:`load_state` reads it back)."""
@@ -201,6 +206,7 @@ class CostTracker:
         return [
             float(self.measured),
             float(self.exchanges),
+            float(self.drifting),
             *costs.F,
             *costs.B,
             *costs.W,
@@ -215,10 +221,10 @@ class CostTracker:
         P = self.in_use.stages
         workers = [(p, s) for p in range(pipelines) for s in range(P)]
         n = len(workers)
-        self.measured, self.exchanges = bool(state[0]), int(state[1])
-        F, B, W = (tuple(state[2 + i * P : 2 + (i + 1) * P]) for i in range(3))
-        comm, step = state[2 + 3 * P], state[3 + 3 * P]
-        rest = state[4 + 3 * P :]
+        self.measured, self.exchanges, self.drifting = bool(state[0]), int(state[1]), int(state[2])
+        F, B, W = (tuple(state[3 + i * P : 3 + (i + 1) * P]) for i in range(3))
+        comm, step = state[3 + 3 * P], state[4 + 3 * P]
+        rest = state[5 + 3 * P :]
         self.stragglers = {w: f for w, f in zip(workers, rest[:n], strict=True) if f > 0}
         self.above = {w: int(c) for w, c in zip(workers, rest[n : 2 * n], strict=True) if c}
         self.below = {w: int(c) for w, c in zip(workers, rest[2 * n :], strict=True) if c}
@@ -245,7 +251,9 @@ class CostTracker:
                 tuple(profile.W[s] for s in range(stages)),
             )
             drift = self._drift(current, candidate)
-            if not self.measured or drift > self.config.drift:
+            self.drifting = self.drifting + 1 if drift > self.config.drift else 0
+            if not self.measured or self.drifting >= DRIFT_PATIENCE:
+                self.drifting = 0
                 F, B, W = (list(c) for c in candidate)
                 step = measured_step
                 decision.reasons.append(

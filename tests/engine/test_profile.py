@@ -108,7 +108,7 @@ def test_a_drift_re_plans_on_every_rank_at_one_iteration(dumps):
     # may delay ops enough to re-plan earlier too: not asserted.)
     after = [c for c in run[0]["changes"] if c["iteration"] > 5 and any("drifted" in r for r in c["reasons"])]
     assert after, run[0]["changes"]
-    assert after[0]["iteration"] <= 8
+    assert after[0]["iteration"] <= 9  # the window holds it from 7, two agreements in a row
     final = CostModel.from_dict(run[0]["costs"][-1])
     assert final.B[1] / final.B[0] == pytest.approx(1.5, rel=0.1)
     assert final.W[1] / final.W[0] == pytest.approx(1.5, rel=0.1)

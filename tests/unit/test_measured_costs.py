@@ -78,7 +78,11 @@ def test_unit_costs_take_the_first_complete_profile_then_only_a_drift():
     decision = costs.update(AgreedProfile.from_table(table(uniform_rows(2, 2), 2, 2), 2, 2))
     assert decision.costs == CostModel.uniform(2, 10, 10, 5, step=1.0)
     assert costs.update(AgreedProfile.from_table(table(uniform_rows(2, 2, f=10.5), 2, 2), 2, 2)).costs is None
-    drift = costs.update(AgreedProfile.from_table(table(uniform_rows(2, 2, f=12), 2, 2), 2, 2))
+    slower = AgreedProfile.from_table(table(uniform_rows(2, 2, f=12), 2, 2), 2, 2)
+    assert costs.update(slower).costs is None  # one agreement beyond the drift: a delayed op maybe
+    assert costs.update(AgreedProfile.from_table(table(uniform_rows(2, 2), 2, 2), 2, 2)).costs is None
+    assert costs.update(slower).costs is None
+    drift = costs.update(slower)  # two in a row
     assert drift.costs.F == (12.0, 12.0) and "drifted 20%" in drift.reasons[0]
 
 
