@@ -99,7 +99,7 @@ def main() -> None:
         seed=0,
     )
     train = CorpusWindows(32 if strategy == "steps" else 16, start=0)  # 16: 4 steps an epoch
-    evalset = CorpusWindows(12, start=20_000)
+    evalset = CorpusWindows(14, start=20_000)  # 7 micro-batches: 3 batches of 2, then 1
     seen = Seen()
     trainer = RecycleTrainer(
         model=AutoModelForCausalLM.from_pretrained(model_dir),

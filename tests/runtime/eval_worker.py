@@ -3,8 +3,9 @@
 It trains ``--steps`` iterations, evaluates one batch fault-free (from a ``(home, mb)`` source and
 from this pipeline's iterator), then the victim SIGKILLs itself once every rank is about to
 evaluate again: the survivors' evaluation is interrupted, recovered, and run again on the plan
-without the victim. They evaluate once more on that plan (and once from an iterator, which must
-refuse), train one more iteration, and write ``out/<slot>.pt``.
+without the victim. They evaluate once more on that plan (also with 3 micro-batches per pipeline
+instead of the training's 4, as before the failure, and once from an iterator, which must refuse),
+train one more iteration, and write ``out/<slot>.pt``.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ EVAL_ITERATION = 10_000
 """The provider's iteration index that the evaluation batches come from (never trained on)."""
 
 
-def evaluate(engine, data) -> dict:
-    loss = engine.eval_batch(data)
+def evaluate(engine, data, micro_batches: int | None = None) -> dict:
+    loss = engine.eval_batch(data, num_micro_batches=micro_batches)
     evaluation = engine.evaluation
     return {
         "loss": float(loss),
@@ -73,6 +74,7 @@ def main() -> None:
     record: dict = {"slot": slot, "worker": engine.worker, "stage": engine.stage_id}
     record["fault_free"] = evaluate(engine, source)
     record["fault_free_iterator"] = evaluate(engine, own_iterator())
+    record["fault_free_3"] = evaluate(engine, source, micro_batches=3)
     (args.out / f"ready{slot}").write_text("")
     if slot == args.victim:
         while not all((args.out / f"ready{s}").exists() for s in range(world)):
@@ -81,6 +83,7 @@ def main() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     record["interrupted"] = evaluate(engine, source)
     record["degraded"] = evaluate(engine, source)
+    record["degraded_3"] = evaluate(engine, source, micro_batches=3)
     try:
         engine.eval_batch(own_iterator())
         record["iterator_refused"] = None

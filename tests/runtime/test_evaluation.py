@@ -68,6 +68,11 @@ def test_degraded_evaluation_equals_fault_free_and_sees_each_micro_batch_once(jo
             key = (home, mb, record["stage"])
             ran[key] = ran.get(key, 0) + 1
     assert ran == {(h, k, s): 1 for h in range(2) for k in range(M) for s in range(2)}
+    for record in job.values():
+        degraded, fault_free = record["degraded_3"], record["fault_free_3"]
+        assert len(fault_free["forwards"]) == 3 and degraded["failed"] == ((1, 1),)
+        torch.testing.assert_close(degraded["loss"], fault_free["loss"], rtol=1e-6, atol=0)
+        assert degraded["loss"] != record["degraded"]["loss"], "num_micro_batches=3 evaluates fewer micro-batches"
     stand_in = job[2]  # slot 2, worker (0, 1), runs pipeline 1's last stage too
     assert sorted(stand_in["degraded"]["forwards"]) == [(h, k) for h in range(2) for k in range(M)]
 
