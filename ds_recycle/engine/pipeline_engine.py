@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
+import json
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -68,6 +69,8 @@ from ds_recycle.runtime.recovery import RankRuntime
 from ds_recycle.runtime.waiting import PeerFailure, Waiter
 
 _EXTRA_BUFFERS = ("losses", "grads", "input_grads", "weight_work")
+EVAL_COMMITTED = "recycle/eval_committed"
+"""The job store's record of the last evaluation batch a member finished: its key and loss."""
 TRAIN_BATCH_TIMER = "train_batch"
 
 
@@ -145,9 +148,13 @@ class Evaluation:
     forwards: list[tuple[int, int]] = field(default_factory=list)
     """(home, mb) of every F this worker ran, in order."""
     losses: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    key: str = ""
+    """Names this batch on every rank (generation, epoch, iteration, evaluation since it)."""
     attempts: int = 0
     """Runs of this batch: more than one when a failure interrupted it."""
     seconds: float = 0.0
+    from_peer: bool = False
+    """A failure interrupted this worker after a peer had finished the batch: its loss is the peer's."""
 
 
 class RecycleDataError(RuntimeError):
@@ -196,6 +203,8 @@ class RecyclePipelineEngine(PipelineEngine):
         """The running ``eval_batch``, or after it the last one."""
         self._evaluating = False
         self._eval_streams: dict[tuple, WorkerStream] = {}
+        self._evals_at: tuple[int, int] = (-1, 0)
+        """(iteration, evaluations run since it): part of each evaluation's key."""
         self.waiter = Waiter()
         everyone = Membership(0, tuple(range(self.module._topo.world_size())), 0)
         self.install_grid(RecycleGrid.build(self.module._topo, everyone, self.slot, GROUP_TIMEOUT_SECONDS))
@@ -454,11 +463,12 @@ class RecyclePipelineEngine(PipelineEngine):
             )
         began = time.time()
         micro_batches = num_micro_batches or self.micro_batches
-        evaluation = Evaluation(EvalData.of(data_iter), micro_batches)
+        evaluation = Evaluation(EvalData.of(data_iter), micro_batches, key=self._next_eval_key())
         self.evaluation = evaluation
         while True:
             try:
                 loss = self._run_evaluation(evaluation, return_logits)
+                self._commit_evaluation(evaluation, loss)
                 break
             except PeerFailure as failure:
                 if self.runtime is None:
@@ -467,6 +477,11 @@ class RecyclePipelineEngine(PipelineEngine):
                 # restarts from it, undoes nothing, and enters the epoch without the dead.
                 self._drop_evaluation()
                 self.runtime._recover_or_stop(failure)
+                loss = self._committed_loss(evaluation)
+                if loss is not None:
+                    evaluation.from_peer = True
+                    self.outputs = None
+                    break
         evaluation.seconds = time.time() - began
         if self.monitor.enabled and self.is_lowest_live_rank():
             self.monitor.write_events([("Train/Samples/eval_loss", loss.item(), self.global_samples)])
@@ -474,6 +489,30 @@ class RecyclePipelineEngine(PipelineEngine):
             outputs, self.outputs = getattr(self, "outputs", None), None
             return loss, outputs
         return loss
+
+    def _next_eval_key(self) -> str:
+        iteration, count = self._evals_at
+        count = count + 1 if iteration == self.global_steps else 0
+        self._evals_at = (self.global_steps, count)
+        generation = os.environ.get("DS_RECYCLE_GENERATION", "0")
+        return json.dumps([generation, self.grid.membership.epoch, self.global_steps, count])
+
+    def _commit_evaluation(self, evaluation: Evaluation, loss: torch.Tensor) -> None:
+        """Under ds-recycle launch, tell the job's store that this batch is done, and its loss,
+        before leaving it. A failure announced while the last collective completes can interrupt
+        some survivors after others have passed it: after their recovery those take the loss from
+        here instead of running the batch again, and every survivor goes on to the same iteration."""
+        if self.runtime is not None:
+            self.runtime.agent.store.set(EVAL_COMMITTED, json.dumps({"key": evaluation.key, "loss": float(loss)}))
+
+    def _committed_loss(self, evaluation: Evaluation) -> torch.Tensor | None:
+        store = self.runtime.agent.store
+        if not store.check([EVAL_COMMITTED]):
+            return None
+        committed = json.loads(store.get(EVAL_COMMITTED))
+        if committed["key"] != evaluation.key:
+            return None
+        return torch.tensor(committed["loss"], dtype=torch.float32, device=self.device)
 
     def _run_evaluation(self, evaluation: Evaluation, return_logits: bool) -> torch.Tensor:
         evaluation.attempts += 1

@@ -6,6 +6,11 @@ evaluate again: the survivors' evaluation is interrupted, recovered, and run aga
 without the victim. They evaluate once more on that plan (also with 3 micro-batches per pipeline
 instead of the training's 4, as before the failure, and once from an iterator, which must refuse),
 train one more iteration, and write ``out/<slot>.pt``.
+
+Then a failure lands after a peer has finished a batch: slot 1 dies right after its evaluation
+committed (``--late-victim``), while slot 0 waits a second before the evaluation's last collective,
+so that it is interrupted once the failure is announced: it takes the committed loss instead of
+running the batch again, and the last two workers train and evaluate on.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ def evaluate(engine, data, micro_batches: int | None = None) -> dict:
         "failed": evaluation.failed,
         "forwards": list(evaluation.forwards),
         "seconds": evaluation.seconds,
+        "from_peer": evaluation.from_peer,
     }
 
 
@@ -50,6 +56,7 @@ def main() -> None:
     parser.add_argument("--config", required=True)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--victim", type=int, default=3)
+    parser.add_argument("--late-victim", type=int, default=1)
     args = parser.parse_args()
     config = json.loads(args.config)
     torch.set_num_threads(1)
@@ -91,6 +98,29 @@ def main() -> None:
         record["iterator_refused"] = str(error)
     record["trained_after"] = float(engine.train_batch())
     record["global_steps"] = engine.global_steps
+    torch.save(record, args.out / f"{slot}.pt")
+
+    if slot == args.late_victim:
+        commit = engine._commit_evaluation
+
+        def commit_then_die(evaluation, loss) -> None:
+            commit(evaluation, loss)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        engine._commit_evaluation = commit_then_die
+    if slot == 0:
+        reduce = engine._eval_loss
+
+        def late(evaluation):
+            time.sleep(1.0)
+            return reduce(evaluation)
+
+        engine._eval_loss = late
+    record["after_commit"] = evaluate(engine, source)
+    vars(engine).pop("_eval_loss", None)
+    record["trained_last"] = float(engine.train_batch())
+    record["final"] = evaluate(engine, source)
+    record["final_steps"] = engine.global_steps
     torch.save(record, args.out / f"{slot}.pt")
 
 

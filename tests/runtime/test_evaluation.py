@@ -37,7 +37,7 @@ def job(tmp_path_factory) -> dict[int, dict]:
     launcher = Launcher(LaunchConfig(argv=argv, nproc=4, timeout=180, log_dir=tmp / "logs"), echo=lines.append)
     code = launcher.run()
     codes = [r.returncode for r in launcher.results()]
-    if code != 0 or codes != [0, 0, 0, -9]:
+    if code != 0 or codes != [0, -9, 0, -9]:
         for path in sorted((tmp / "logs").glob("*.log")):
             sys.stderr.write(f"--- {path.name} ---\n" + path.read_text()[-4000:])
         raise AssertionError(f"launcher exited {code}, ranks {codes}:\n" + "\n".join(lines[-40:]))
@@ -82,6 +82,19 @@ def test_an_iterator_cannot_feed_a_missing_last_stage_and_training_goes_on(job):
         assert "pass a callable (home, mb) -> batch" in record["iterator_refused"]
         assert record["global_steps"] == 3
         assert torch.isfinite(torch.tensor(record["trained_after"]))
+
+
+def test_a_failure_after_a_peer_finished_the_batch_takes_its_loss(job):
+    """Slot 1 dies right after it finished an evaluation; slot 0, still inside it, is interrupted:
+    it takes the finished batch's loss from the job's store instead of running it again (which the
+    others, past it, would never join), and both survivors train and evaluate on together."""
+    late, root = job[0], job[2]
+    assert late["after_commit"]["from_peer"] and late["after_commit"]["attempts"] == 1
+    assert late["after_commit"]["loss"] == root["after_commit"]["loss"]
+    for record in (late, root):
+        assert record["final_steps"] == 4 and torch.isfinite(torch.tensor(record["trained_last"]))
+        assert record["final"]["failed"] == ((1, 0), (1, 1)) and record["final"]["attempts"] == 1
+    assert late["final"]["loss"] == root["final"]["loss"]
 
 
 def test_wall_time_of_degraded_and_fault_free_evaluation(job):
