@@ -23,6 +23,7 @@ from typing import Any
 
 SECTION = "recycle"
 MONITOR_MODES = ("auto", "online", "offline", "disabled")
+PLANNER_COSTS = ("emulated", "unit")
 
 
 class RecycleConfigError(ValueError):
@@ -44,6 +45,9 @@ class TimingEmulation:
     B: Durations
     W: Durations
     slowdown: tuple[tuple[int, int, float], ...] = ()
+    planner_costs: str = "emulated"
+    """What the planner is told before a profile is measured: the emulated durations, or ``unit``
+    costs (to compare plans from unit costs with plans from measured ones)."""
 
     def milliseconds(self, kind: str, stage: int = 0) -> float:
         """The emulated duration of ``kind`` (F, B, W, or BW for a fused backward) at ``stage``."""
@@ -244,10 +248,15 @@ def _timing(value: Any) -> TimingEmulation | None:
         return None
     if not isinstance(value, Mapping):
         raise RecycleConfigError(f"{key} must be null or an object with keys F, B, W (milliseconds), got {value!r}")
-    allowed = ("F", "B", "W", "slowdown")
+    allowed = ("F", "B", "W", "slowdown", "planner_costs")
     unknown = sorted(set(value) - set(allowed), key=str)
     if unknown:
-        raise RecycleConfigError(f"unknown key {key}.{_key(unknown[0])}; allowed keys: F, B, W, slowdown")
+        raise RecycleConfigError(f"unknown key {key}.{_key(unknown[0])}; allowed keys: {', '.join(allowed)}")
+    planner_costs = value.get("planner_costs", "emulated")
+    if planner_costs not in PLANNER_COSTS:
+        raise RecycleConfigError(
+            f"{key}.planner_costs must be one of {', '.join(PLANNER_COSTS)}; got {planner_costs!r}"
+        )
     missing = [k for k in "FBW" if k not in value]
     if missing:
         raise RecycleConfigError(f"{key}.{missing[0]} is missing; F, B and W (milliseconds) are all required")
@@ -269,7 +278,8 @@ def _timing(value: Any) -> TimingEmulation | None:
         raise RecycleConfigError(
             f"{key}.F, B and W lists must have one length (one value per stage), got {sorted(lengths)}"
         )
-    return TimingEmulation(**durations, slowdown=_slowdown(value.get("slowdown", []), f"{key}.slowdown"))
+    slowdown = _slowdown(value.get("slowdown", []), f"{key}.slowdown")
+    return TimingEmulation(**durations, slowdown=slowdown, planner_costs=planner_costs)
 
 
 def _milliseconds(value: Any) -> bool:

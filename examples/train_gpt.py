@@ -17,6 +17,7 @@ membership changes the engine reports (from the lowest live rank) as JSON lines.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -164,6 +165,7 @@ def main() -> None:
                 "params": {k: v.detach().clone() for k, v in engine.module.state_dict().items()},
                 "initial": initial,
                 "events": events,
+                "cost_changes": [dataclasses.asdict(c) for c in getattr(engine, "cost_changes", [])],
             },
             args.dump / f"rank{rank}.pt",
         )

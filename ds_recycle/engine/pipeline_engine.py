@@ -625,7 +625,9 @@ class RecyclePipelineEngine(PipelineEngine):
 
     def _base_cost_model(self) -> CostModel:
         timing, P = self.recycle.emulate_timing, self.num_stages
-        if timing is None or not any(timing.milliseconds(k, s) > 0 for k in "FBW" for s in range(P)):
+        if timing is None or timing.planner_costs == "unit":
+            return CostModel.uniform(P)
+        if not any(timing.milliseconds(k, s) > 0 for k in "FBW" for s in range(P)):
             return CostModel.uniform(P)
         return CostModel(*(tuple(timing.milliseconds(k, s) for s in range(P)) for k in "FBW"))
 

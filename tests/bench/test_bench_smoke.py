@@ -23,8 +23,16 @@ SMOKE = {
     "fault_campaign.py": ["--smoke"],
     "multinode.py": ["--smoke"],
     "evaluation.py": ["--smoke"],
+    "measured_costs.py": ["--smoke"],
 }
-MULTIPROCESS = {"engine_vs_stock.py", "failures.py", "fault_campaign.py", "multinode.py", "evaluation.py"}
+MULTIPROCESS = {
+    "engine_vs_stock.py",
+    "failures.py",
+    "fault_campaign.py",
+    "multinode.py",
+    "evaluation.py",
+    "measured_costs.py",
+}
 TIMEOUT = 300
 
 

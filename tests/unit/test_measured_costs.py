@@ -147,6 +147,10 @@ def test_config_keys():
         ({"emulate_timing": {"F": 1, "B": 1, "W": 1, "slowdown": [[0, 0]]}}, "recycle.emulate_timing.slowdown must be"),
         ({"emulate_timing": {"F": 1, "B": 1, "W": 1, "slowdown": [[0, 0, 0.5]]}}, "factor a number in [1, 100]"),
         ({"emulate_timing": {"F": 1, "B": 1, "W": 1, "slowdown": [[0, 0, 2], [0, 0, 3]]}}, "twice"),
+        (
+            {"emulate_timing": {"F": 1, "B": 1, "W": 1, "planner_costs": "x"}},
+            "planner_costs must be one of emulated, unit",
+        ),
         ({"profile": {"warmup": -1}}, "recycle.profile.warmup must be an integer"),
         ({"profile": {"drift": 0}}, "recycle.profile.drift must be a fraction"),
         ({"profile": {"windows": 2}}, "unknown key recycle.profile.windows; allowed keys: enabled, warmup, window"),
