@@ -98,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         endpoint=node.endpoint,
         node_lease=args.node_lease,
         token=node.token,
+        domain=node.domain,
         env={proto.ENV_ALLOW_UNSAFE_PLACEMENT: "1"} if args.allow_unsafe_placement else None,
         status_port=args.status_port,
         respawn=args.respawn,

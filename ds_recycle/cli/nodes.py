@@ -17,6 +17,7 @@ that names this host (its name or one of its addresses) unless ``--node-rank`` s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import socket
@@ -35,8 +36,10 @@ _NODE_FLAGS = {
     "--master-port": "master_port",
     "--token-file": "token_file",
     "--hostfile": "hostfile",
+    "--domain": "domain",
 }
 DEFAULT_PORT = 29500
+DOMAIN_PATTERN = r"[A-Za-z0-9_.:\-]{1,64}"
 TOKEN_ENV = "DS_RECYCLE_TOKEN"
 
 
@@ -48,6 +51,8 @@ class NodeSpec:
     endpoint: tuple[str, int] | None
     """Where node 0 hosts the store; None for a one-node job (any free port on --host)."""
     token: str | None
+    domain: str = ""
+    """This node's failure domain (a rack, a switch); "" for none."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,6 +93,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="DeepSpeed's hostfile (`host slots=G` per line): the nodes, their ranks and the endpoint",
     )
+    group.add_argument(
+        "--domain",
+        default=None,
+        metavar="LABEL",
+        help="this node's failure domain (rack, switch): no domain may hold every replica of a stage",
+    )
     group.add_argument("--token-file", default=None, metavar="FILE", help="the job token (mode 600)")
     group.add_argument(
         "--allow-unsafe-placement",
@@ -98,6 +109,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def resolve(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> NodeSpec:
     """The node this agent is; raises UsageError naming the flag or variable and what is allowed."""
+    spec = _resolve(args, environ)
+    domain = getattr(args, "domain", None)
+    if domain is None:
+        return spec
+    if not re.fullmatch(DOMAIN_PATTERN, domain):
+        raise UsageError(f"--domain {domain!r}: 1 to 64 characters of [A-Za-z0-9_.:-] (e.g. rack3)")
+    return dataclasses.replace(spec, domain=domain)
+
+
+def _resolve(args: argparse.Namespace, environ: Mapping[str, str]) -> NodeSpec:
     if getattr(args, "hostfile", None) is not None and args.nproc is None:
         return _from_hostfile(args, environ)
     nnodes = _nnodes(args.nnodes, environ)

@@ -113,6 +113,9 @@ class LaunchConfig:
     """A node whose agent has not renewed its lease for this long is failed as a whole."""
     token: str | None = None
     """The job token, the same on every node (None on one node: a fresh random one)."""
+    domain: str = ""
+    """This node's failure domain (``--domain``): the ranks refuse a layout in which one domain
+    holds every replica of a stage, as they do for one node."""
     status_port: int | None = None
     """Serve the job's status page on this port of ``host`` (node 0; 0: any free port; None: no page)."""
     membership: bool = True
@@ -266,6 +269,7 @@ class Launcher:
             store.set(proto.epoch_key(0), Membership(0, tuple(range(n)), 0).to_json())
             store.set(proto.PENDING, proto.changes_to_json([]))
             store.set(proto.CURRENT_EPOCH, "0")
+            store.set(proto.domain_key(0), self.config.domain)
             layout = NodeLayout(self.config.nnodes, self.config.nproc, self.config.node_lease)
             self.coordinator = Coordinator(
                 host,
@@ -325,7 +329,7 @@ class Launcher:
             kill=self._kill_incarnation,
             fence=self._fence,
         )
-        incarnation = link.register()
+        incarnation = link.register(self.config.domain)
         what = "re-joins the running job" if link.rejoining else "starts"
         slots = [s.slot for s in self.slots]
         self.log(f"node {self.config.node_rank} (incarnation {incarnation}) {what}: slots {slots}")

@@ -65,9 +65,10 @@ class NodeLink:
         self.fenced = False
         self._fence_lock = threading.Lock()
 
-    def register(self) -> int:
-        """Take this node's next incarnation. A previous agent's lease must lapse first (it fences
-        itself by then); one that is still renewed is a live agent of this node: refused."""
+    def register(self, domain: str = "") -> int:
+        """Take this node's next incarnation and say its failure domain. A previous agent's lease
+        must lapse first (it fences itself by then); one that is still renewed is a live agent of
+        this node: refused."""
         key = proto.lease_key(self.node)
         deadline = time.monotonic() + 2 * self.lease_seconds
         while self._store.check([key]):
@@ -82,6 +83,7 @@ class NodeLink:
                 )
             time.sleep(0.1)
         self.node_incarnation = int(self._store.add(proto.node_incarnation_key(self.node), 1))
+        self._store.set(proto.domain_key(self.node), domain)
         self._renew()
         return self.node_incarnation
 

@@ -50,3 +50,12 @@ def unsafe_nodes(
 ) -> dict[int, list[int]]:
     """Nodes whose loss alone would empty a stage: node -> the stages it holds every replica of."""
     return {node: emptied for node in nodes if (emptied := emptied_stages(nodes, worker_of, stages, [node]))}
+
+
+def domains_of(nodes: Mapping[int, Iterable[int]], labels: Mapping[int, str]) -> dict[str, list[int]]:
+    """Ranks by failure domain: nodes with the same label (a rack, a switch) form one domain; a node
+    without a label is a domain of its own, named ``node <k>``."""
+    domains: dict[str, list[int]] = {}
+    for node, ranks in nodes.items():
+        domains.setdefault(labels.get(node) or f"node {node}", []).extend(ranks)
+    return domains

@@ -29,6 +29,7 @@ heartbeat/<slot>                wall time of the last heartbeat, or HEARTBEAT_ST
 iteration_seconds/<slot>        the trainer's measured iteration time (float)          trainer
 node_incarnation/<node>         counter: +1 per agent start of that node               agent
 lease/<node>                    :class:`Lease` JSON, renewed by the node's agent         agent
+domain/<node>                   the node's failure domain (``--domain``; "" for none)  agent
 report_count, report/<k>        :class:`AgentReport` JSON: a rank started or exited    agent
 kill_count/<node>, kill/<node>/<k>  slot and incarnation the node's agent must kill    launcher
 ==============================  =====================================================  ==========
@@ -138,6 +139,10 @@ def world_prefix(epoch: int) -> str:
 
 def lease_key(node: int) -> str:
     return f"lease/{node}"
+
+
+def domain_key(node: int) -> str:
+    return f"domain/{node}"
 
 
 def node_incarnation_key(node: int) -> str:

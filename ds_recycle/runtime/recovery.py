@@ -26,6 +26,7 @@ import enum
 import os
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Protocol
 
 import torch
@@ -130,14 +131,22 @@ class RankRuntime:
             return
         topo = self.engine.module._topo
         worker_of = {rank: (topo.get_coord(rank).data, topo.get_coord(rank).pipe) for rank in range(world)}
-        unsafe = placement.unsafe_nodes(placement.contiguous_nodes(world, per_node), worker_of, topo.get_dim("pipe"))
+        nodes = placement.contiguous_nodes(world, per_node)
+        domains = placement.domains_of(nodes, self._domain_labels(len(nodes)))
+        unsafe = placement.unsafe_nodes(domains, worker_of, topo.get_dim("pipe"))
         if not unsafe:
             return
-        node, stages = next(iter(unsafe.items()))
+        domain, stages = next(iter(unsafe.items()))
+        ranks = domains[domain]
+        if domain.startswith("node "):
+            what, spread = f"{domain} holds every replica of stage {stages[0]} (ranks {ranks[0]}..{ranks[-1]})", ""
+        else:
+            held = [node for node, node_ranks in nodes.items() if node_ranks[0] in ranks]
+            what = f"domain {domain} (nodes {held}) holds every replica of stage {stages[0]}"
+            spread = " with each stage's replicas in more than one domain"
         message = (
-            f"node {node} holds every replica of stage {stages[0]} (ranks {per_node * node}.."
-            f"{per_node * (node + 1) - 1}): its loss would stop the job. Build the PipelineModule with "
-            "topology=ds_recycle.runtime.placement.pipeline_major_topology(P, D), or start with "
+            f"{what}: its loss would stop the job. Build the PipelineModule with "
+            f"topology=ds_recycle.runtime.placement.pipeline_major_topology(P, D){spread}, or start with "
             "ds-recycle launch --allow-unsafe-placement"
         )
         if environ.get(proto.ENV_ALLOW_UNSAFE_PLACEMENT) == "1":
@@ -146,6 +155,12 @@ class RankRuntime:
         logger.error(f"ReCycle: slot {self.engine.slot} refuses to start: {message}")
         self.agent.stop()
         raise exit_guard.exit(STOP_EXIT_CODE)
+
+    def _domain_labels(self, nodes: int) -> dict[int, str]:
+        """Every node's ``--domain`` label, as its agent registered it (before starting its ranks)."""
+        keys = [proto.domain_key(node) for node in range(nodes)]
+        self.agent.store.wait(keys, timedelta(seconds=GROUP_TIMEOUT_SECONDS))
+        return {node: self.agent.store.get(key).decode() for node, key in enumerate(keys)}
 
     def start(self) -> None:
         """A first-start process: heartbeat, failure watcher, SIGTERM-means-leave."""

@@ -49,6 +49,12 @@ def test_slurm_and_torchrun_variables_fill_absent_flags():
     assert resolve(parse("--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "4"), torchrun).node_rank == 0
 
 
+def test_a_domain_label_is_kept():
+    args = parse("--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "2", "--rdzv-endpoint", "h:1")
+    args.domain = "rack-3.row:a_1"
+    assert resolve(args, {"DS_RECYCLE_TOKEN": TOKEN}).domain == "rack-3.row:a_1"
+
+
 def test_hostlist_expansion():
     assert expand_hostlist("node[01-03,07],gpu5,a[8-10]b") == [
         "node01", "node02", "node03", "node07", "gpu5", "a8b", "a9b", "a10b"
@@ -84,6 +90,12 @@ def test_token_file_must_be_private(tmp_path):
         ([], {"SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "x"}, "SLURM_GPUS_ON_NODE x: must be an integer"),
         ([], {"SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "1", "SLURM_JOB_NODELIST": "n[1-x]"}, "cannot read"),
         ([], {}, "--nproc N (one node) or --nproc-per-node G is required"),
+        (
+            ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", "h:1", "--domain", "rack 1"],
+            {"DS_RECYCLE_TOKEN": TOKEN},
+            "--domain 'rack 1': 1 to 64 characters",
+        ),
+        (["--nproc", "2", "--domain", "r1"], {}, "--domain is for several nodes"),
     ],
 )
 def test_bad_node_input_names_the_problem(argv, env, message):

@@ -41,6 +41,7 @@ class Agent:
         incarnation: int = 0,
         nodes: int = NODES,
         network: Network | None = None,
+        extra: tuple[str, ...] = (),
     ) -> None:
         logs = job.tmp / "logs" / f"node{node}.{incarnation}"
         self.events = LaunchEvents(job.tmp / f"events{node}.{incarnation}.jsonl")
@@ -50,7 +51,7 @@ class Agent:
         host = network.address(0) if network else "127.0.0.1"
         command += ["--rdzv-endpoint", f"{host}:{port}", "--node-lease", "2", "--respawn"]
         command += ["--respawn-delay", "0.2", "--timeout", "300", "--log-dir", str(logs)]
-        command += ["--events", str(self.events.path)]
+        command += ["--events", str(self.events.path), *extra]
         command += [str(WORKER), "--pp", str(job.pp), "--steps", str(STEPS), "--optimizer", "adam"]
         command += ["--config", str(job.tmp / "ds_config.json"), "--out", str(job.out)]
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "DS_RECYCLE_TOKEN": TOKEN}
@@ -317,6 +318,30 @@ def test_a_layout_in_which_a_node_holds_every_replica_of_a_stage_is_refused_at_s
     refusals = re.findall(r"refuses to start: (node \d+ holds every replica of stage \d+)", logs)
     assert refusals and set(refusals) == {"node 0 holds every replica of stage 0"}, logs[-3000:]
     assert "pipeline_major_topology(P, D)" in logs and "--allow-unsafe-placement" in logs
+    assert job.progress(0) == 0, "no iteration ran"
+
+
+def test_a_failure_domain_holding_every_replica_of_a_stage_is_refused_at_start(tmp_path):
+    """pp=2 x dp=3 on 3 nodes of 2, stage-major: no node holds every replica of a stage (node 1 has
+    one of each), but nodes 0 and 1 share a rack (``--domain rackA``) that holds all of stage 0.
+    Every rank refuses before its first iteration, naming the domain, its nodes and the stage."""
+    job = Job(tmp_path, PP, DP, STEPS, job_config(), "adam")
+    port = free_port()
+    racks = ["rackA", "rackA", "rackB"]
+    agents = [Agent(job, node, port, extra=("--domain", racks[node])) for node in range(NODES)]
+    try:
+        wait_until(lambda: all(a.proc.poll() is not None for a in agents), "every agent to end", agents, 180)
+    except BaseException:
+        for agent in agents:
+            agent.kill()
+        raise
+    assert [a.proc.returncode for a in agents] == [1, 1, 1]
+    logs = "\n".join(p.read_text() for p in sorted((tmp_path / "logs").glob("*/*.log")))
+    refusals = re.findall(
+        r"refuses to start: (domain \S+ \(nodes \[[\d, ]+\]\) holds every replica of stage \d+)", logs
+    )
+    assert len(refusals) == PP * DP, logs[-3000:]
+    assert set(refusals) == {"domain rackA (nodes [0, 1]) holds every replica of stage 0"}, logs[-3000:]
     assert job.progress(0) == 0, "no iteration ran"
 
 

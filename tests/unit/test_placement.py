@@ -60,3 +60,14 @@ def test_a_node_holding_both_replicas_of_a_stage_is_named():
     nodes = contiguous_nodes(8, 2)  # 4 nodes of 2
     assert unsafe_nodes(nodes, stage_major(4, 2), 4) == {0: [0], 1: [1], 2: [2], 3: [3]}
     assert unsafe_nodes(nodes, pipeline_major(4, 2), 4) == {}
+
+
+def test_nodes_with_one_domain_label_fail_together():
+    from ds_recycle.runtime.placement import domains_of, unsafe_nodes
+
+    nodes = {0: [0, 1], 1: [2, 3], 2: [4, 5]}
+    worker_of = {rank: (rank % 3, rank // 3) for rank in range(6)}  # stage-major, P = 2, D = 3
+    assert unsafe_nodes(nodes, worker_of, 2) == {}
+    racks = domains_of(nodes, {0: "rackA", 1: "rackA", 2: ""})
+    assert racks == {"rackA": [0, 1, 2, 3], "node 2": [4, 5]}
+    assert unsafe_nodes(racks, worker_of, 2) == {"rackA": [0]}
