@@ -77,21 +77,8 @@ TRAIN_BATCH_TIMER = "train_batch"
 class PlannedSchedule(schedule.PipeSchedule):
     """One worker's lowered stream as this engine's instructions, one per step."""
 
-    def __init__(self, stream: WorkerStream, micro_batches: int, stages: int, stage_id: int):
-        super().__init__(micro_batches, stages, stage_id)
-        self.num_buffers = stream.num_buffers
-        self.instructions = [to_instruction(action) for action in stream.actions]
-
-    def num_pipe_buffers(self) -> int:
-        return self.num_buffers
-
-    def steps(self):
-        for instruction in self.instructions:
-            yield [instruction]
-
-
-class ForwardOnlySchedule(schedule.PipeSchedule):
-    """One worker's forward-only (evaluation) stream as this engine's instructions, one per step."""
+    trains = True
+    """Running it is an iteration of training (the engine finishes the iteration after it)."""
 
     def __init__(self, stream: WorkerStream, micro_batches: int, stages: int, stage_id: int):
         super().__init__(micro_batches, stages, stage_id)
@@ -104,6 +91,12 @@ class ForwardOnlySchedule(schedule.PipeSchedule):
     def steps(self):
         for instruction in self.instructions:
             yield [instruction]
+
+
+class ForwardOnlySchedule(PlannedSchedule):
+    """One worker's forward-only (evaluation) stream."""
+
+    trains = False
 
 
 @dataclass
@@ -476,7 +469,7 @@ class RecyclePipelineEngine(PipelineEngine):
                 # At a boundary every survivor has finished the same iteration: the recovery
                 # restarts from it, undoes nothing, and enters the epoch without the dead.
                 self._drop_evaluation()
-                self.runtime._recover_or_stop(failure)
+                self.runtime.recover_or_stop(failure)
                 loss = self._committed_loss(evaluation)
                 if loss is not None:
                     evaluation.from_peer = True
@@ -743,7 +736,7 @@ class RecyclePipelineEngine(PipelineEngine):
                 self._exec_instr(**cmd.kwargs)
                 pad_to(cmd, started, emulation, worker)
                 self.instruction_events.append(event_of(cmd, started, time.time()))
-        if self.recycle.enabled and isinstance(pipe_schedule, PlannedSchedule):
+        if self.recycle.enabled and isinstance(pipe_schedule, PlannedSchedule) and pipe_schedule.trains:
             started = time.time()
             self.stepper.finish_iteration()
             self.global_steps += 1

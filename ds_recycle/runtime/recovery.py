@@ -216,7 +216,7 @@ class RankRuntime:
                 self._at_boundary()
                 return loss
             except PeerFailure as failure:
-                self._recover_or_stop(failure)
+                self.recover_or_stop(failure)
             except StageLostError as lost:
                 self._stop(lost)
             except RuntimeError as error:
@@ -264,7 +264,7 @@ class RankRuntime:
 
     # ---- recovery from an unplanned failure ------------------------------------------------------
 
-    def _recover_or_stop(self, failure: PeerFailure) -> None:
+    def recover_or_stop(self, failure: PeerFailure) -> None:
         try:
             self._recover(failure)
         except StageLostError as lost:
