@@ -651,18 +651,22 @@ class RecyclePipelineEngine(PipelineEngine):
         def all_reduce(table: torch.Tensor) -> None:
             self.waiter.collective(lambda: torch.distributed.all_reduce(table, async_op=True), "the profile exchange")
 
+        held = self.cost_tracker.in_use
         profile = agree(self.cost_tracker, self._op_times.row(), self.worker, D, P, all_reduce, self.device)
         # without training_data only a pipeline's own first and last stage can load its micro-batches
         inner = range(P) if self.micro_batch_source is not None else range(1, P - 1)
         self.cost_tracker.straggler_stages = set(inner)
         decision = self.cost_tracker.update(profile)
-        if decision.costs is None:
+        if decision.costs is None and self.cost_tracker.in_use == held:
             return
+        # new costs: decided now, or taken over from the others in the agreement (a joiner)
         before = self.plan
         self._stream_cache.clear()
         getattr(self, "_eval_streams", {}).clear()
         self._fault_free_time = None
         self.plan = self._current_plan_and_stream()[0]
+        if decision.costs is None:
+            return
         doing_nothing = retime(_with_costs(before, decision.costs)).iteration_time
         change = CostChange(
             i,

@@ -99,7 +99,7 @@ def agree(
             vector[0] = torch.tensor(state, dtype=torch.float64, device=device)
         all_reduce(vector)
         tracker.load_state(vector[0].tolist(), pipelines)
-    return AgreedProfile.from_table([r[:ROW] for r in table], pipelines, stages)
+    return AgreedProfile.from_table([r[:ROW] for r in table], pipelines, stages, tracker.stragglers)
 
 
 def _lower_median(values: list[float]) -> float:
@@ -126,7 +126,15 @@ class AgreedProfile:
     from lower quartiles: a busy host only ever delays an op, a straggler delays every op."""
 
     @classmethod
-    def from_table(cls, table: list[list[float]], pipelines: int, stages: int) -> AgreedProfile:
+    def from_table(
+        cls, table: list[list[float]], pipelines: int, stages: int, stragglers: dict[Worker, float] | None = None
+    ) -> AgreedProfile:
+        """``stragglers``: the workers planned as stragglers and their factors. A stage's costs come
+        from its other replicas; from a straggler's measurements divided by its factor only when no
+        other replica of the stage was measured (its peers failed), and a worker without a
+        measured peer has no slowdown (nothing to compare with: it is neither detected nor
+        released)."""
+        stragglers = stragglers or {}
         F: dict[int, float] = {}
         B: dict[int, float] = {}
         W: dict[int, float] = {}
@@ -136,15 +144,18 @@ class AgreedProfile:
             rows = {p: table[p * stages + s] for p in range(pipelines) if table[p * stages + s][COUNT] > 0}
             if not rows:
                 continue
-            F[s] = _round(_lower_median([r[0] for r in rows.values()]))
-            B[s] = _round(_lower_median([r[1] for r in rows.values()]))
-            W[s] = _round(_lower_median([r[2] for r in rows.values()]))
+            normal = {p: r for p, r in rows.items() if (p, s) not in stragglers}
+            scaled = normal or {p: [v / stragglers[(p, s)] for v in r[:3]] + r[3:] for p, r in rows.items()}
+            F[s] = _round(_lower_median([r[0] for r in scaled.values()]))
+            B[s] = _round(_lower_median([r[1] for r in scaled.values()]))
+            W[s] = _round(_lower_median([r[2] for r in scaled.values()]))
             S[s] = _round(min(r[3] for r in rows.values()))
             work = {p: sum(r[QUARTILE : QUARTILE + 3]) for p, r in rows.items()}
             for p in rows:
                 peers = [w for o, w in work.items() if o != p]
                 reference = _lower_median(peers) if peers else 0.0
-                slowdown[(p, s)] = round(work[p] / reference, 3) if reference > 0 else 1.0
+                if reference > 0:
+                    slowdown[(p, s)] = round(work[p] / reference, 3)
         return cls(F, B, W, S, slowdown)
 
     @property

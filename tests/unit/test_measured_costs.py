@@ -109,6 +109,22 @@ def test_a_straggler_is_planned_after_patience_and_released_below_the_release_le
     assert released.costs.slow == ()
 
 
+def test_a_straggler_whose_peers_failed_is_kept_and_sets_no_stage_cost():
+    costs = tracker()
+    slow = AgreedProfile.from_table(table(uniform_rows(2, 2, rows={(1, 1): (20, 20, 10)}), 2, 2), 2, 2)
+    costs.update(slow)
+    costs.update(slow)
+    assert costs.in_use.stragglers() == {(1, 1): 2.0}
+    alone = uniform_rows(2, 2, rows={(1, 1): (20, 20, 10)})
+    alone.pop((0, 1))  # its only peer failed
+    profile = AgreedProfile.from_table(table(alone, 2, 2), 2, 2, costs.stragglers)
+    assert (1, 1) not in profile.slowdown
+    assert (profile.F[1], profile.B[1], profile.W[1]) == (10.0, 10.0, 5.0)  # its own, divided by its factor
+    for _ in range(3):
+        assert costs.update(profile).costs is None
+    assert costs.in_use.stragglers() == {(1, 1): 2.0}
+
+
 def test_stragglers_off_or_outside_the_handled_stages_are_not_planned():
     slow = AgreedProfile.from_table(table(uniform_rows(2, 3, rows={(1, 0): (30, 30, 15)}), 2, 3), 2, 3)
     off = CostTracker(CostModel.uniform(3, 10, 10, 5), ProfileConfig(), StragglerConfig(enabled=False), True)
