@@ -145,7 +145,7 @@ def run_heterogeneous(sizes: Sizes, profiled: bool, workdir: Path) -> list[dict]
     if not profiled:
         recycle["profile"] = False
     phase = sizes.iterations + 3
-    steps = WARMUP + 2 + phase * (len(sizes.leaves) + 1)
+    steps = WARMUP + 2 + phase * (len(sizes.leaves) + 1) + 4  # + a leaver's exit, which the others train through
     tmp = workdir / ("profiled" if profiled else "unit")
     job = Job(tmp, sizes.pp, sizes.dp, steps, ds_config(sizes.m, CLIP, recycle), "sgd", respawn=False, timeout=1800)
     job.worker_args = ["--timings"]
