@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -241,3 +242,18 @@ def test_tracker_state_round_trips():
     other.load_state(costs.state(2), 2)
     assert other.in_use == costs.in_use and other.above == {(0, 1): 1} and other.exchanges == 3
     assert other.stragglers == {(1, 0): 1.5}
+
+
+def test_emulation_pads_each_stage_and_a_straggler_by_its_factor():
+    from ds_recycle.engine.timing import pad_to
+    from ds_recycle.instructions import BackwardWeight, ForwardPass
+
+    timing = TimingEmulation((10.0, 20.0), 10.0, 0.0, ((1, 1, 2.0),))
+    for instruction, worker, want in (
+        (ForwardPass(0, home=0, mb=0), (0, 1), 0.020),
+        (ForwardPass(0, home=0, mb=0), (1, 1), 0.040),
+        (BackwardWeight(0, home=0, mb=0), (0, 0), 0.0),
+    ):
+        began = time.time()
+        pad_to(instruction, began, timing, worker)
+        assert want <= time.time() - began < want + 0.05  # a busy host may wake a sleep late
