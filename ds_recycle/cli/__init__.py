@@ -2,9 +2,9 @@
 COMMAND`` are the same program).
 
 Subcommands are registered in :data:`COMMANDS` (name -> :class:`~ds_recycle.cli.common.Command`):
-``plan`` (:mod:`ds_recycle.cli.plan`), ``simulate`` (:mod:`ds_recycle.cli.simulate`) and ``launch``
-(:mod:`ds_recycle.cli.launch`). Only implemented ones are listed, so ``ds-recycle --help``
-never advertises something that does not run.
+``plan`` (:mod:`ds_recycle.cli.plan`), ``simulate`` (:mod:`ds_recycle.cli.simulate`), ``launch``
+(:mod:`ds_recycle.cli.launch`) and ``coordinator`` (:mod:`ds_recycle.cli.coordinator`). Only
+implemented ones are listed, so ``ds-recycle --help`` never advertises something that does not run.
 
 Exit codes: 0 success, 2 bad arguments (argparse's convention, also used for a failure set that
 leaves a stage without survivors: that needs a checkpoint fallback, not a plan).
@@ -24,13 +24,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ds_recycle.cli import launch, plan, simulate
+from ds_recycle.cli import coordinator, launch, plan, simulate
 from ds_recycle.cli.common import USAGE_ERROR, Command, Parser, UsageError, store_once
 
 COMMANDS: dict[str, Command] = {
     "plan": Command(help=plan.HELP, add_arguments=plan.add_arguments, run=plan.run),
     "launch": Command(help=launch.HELP, add_arguments=launch.add_arguments, run=launch.run),
     "simulate": Command(help=simulate.HELP, add_arguments=simulate.add_arguments, run=simulate.run),
+    "coordinator": Command(help=coordinator.HELP, add_arguments=coordinator.add_arguments, run=coordinator.run),
 }
 """Every subcommand, in the order ``ds-recycle --help`` lists them."""
 

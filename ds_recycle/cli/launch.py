@@ -12,10 +12,9 @@ import os
 import sys
 from pathlib import Path
 
-from ds_recycle.cli import nodes
+from ds_recycle.cli import coordinator, nodes
 from ds_recycle.cli.common import UsageError
 from ds_recycle.runtime import protocol as proto
-from ds_recycle.runtime.protocol import HEARTBEAT_MIN_TIMEOUT_SECONDS
 
 MAX_NPROC = 1024
 """More ranks than this on one host is a typo, not a job."""
@@ -41,42 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--timeout", type=float, default=None, metavar="S", help="kill everything after S seconds")
     parser.add_argument("--log-dir", default=None, metavar="DIR", help="write rank<R>.log here (default: stdout)")
-    parser.add_argument(
-        "--events",
-        default=None,
-        metavar="FILE",
-        help="also write every launcher and coordinator event to FILE as JSON lines, for programs that watch the job",
-    )
-    parser.add_argument(
-        "--status-port",
-        type=int,
-        default=None,
-        metavar="P",
-        help="serve a live status page of the job on port P of --host (node 0; 0: any free port)",
-    )
     parser.add_argument("--host", default="127.0.0.1", help="address the store listens on (default loopback)")
-    parser.add_argument(
-        "--heartbeat-min-timeout",
-        type=float,
-        default=HEARTBEAT_MIN_TIMEOUT_SECONDS,
-        metavar="S",
-        help=f"a member is hung after at least S seconds without heartbeat (default {HEARTBEAT_MIN_TIMEOUT_SECONDS:g})",
-    )
-    parser.add_argument(
-        "--heartbeat-factor",
-        type=float,
-        default=3.0,
-        metavar="K",
-        help="... and at least K times the slowest published iteration time (default 3)",
-    )
-    parser.add_argument(
-        "--startup-timeout",
-        type=float,
-        default=120.0,
-        metavar="S",
-        help="a member must heartbeat within S seconds of its start (default 120)",
-    )
-    parser.add_argument("--no-heartbeat", action="store_true", help="do not declare hung members failed")
+    coordinator.add_coordination_arguments(parser)
     parser.add_argument(
         "--grace", type=float, default=5.0, metavar="S", help="seconds from SIGTERM to SIGKILL when stopping ranks"
     )
@@ -87,7 +52,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     node = nodes.resolve(args)
     _validate(args, node)
-    from ds_recycle.runtime.coordinator import HeartbeatPolicy
     from ds_recycle.runtime.launcher import LaunchConfig, Launcher
 
     config = LaunchConfig(
@@ -97,6 +61,9 @@ def run(args: argparse.Namespace) -> int:
         node_rank=node.node_rank,
         endpoint=node.endpoint,
         node_lease=args.node_lease,
+        external_coordinator=args.external_coordinator,
+        coordinator_timeout=args.coordinator_timeout,
+        coordinator_wait=args.coordinator_wait,
         token=node.token,
         domain=node.domain,
         env={proto.ENV_ALLOW_UNSAFE_PLACEMENT: "1"} if args.allow_unsafe_placement else None,
@@ -109,12 +76,7 @@ def run(args: argparse.Namespace) -> int:
         events=None if args.events is None else Path(args.events),
         host=args.host,
         python=sys.executable,
-        heartbeat=HeartbeatPolicy(
-            min_timeout=args.heartbeat_min_timeout,
-            factor=args.heartbeat_factor,
-            startup_timeout=args.startup_timeout,
-            enabled=not args.no_heartbeat,
-        ),
+        heartbeat=coordinator.heartbeat_policy(args),
         grace=args.grace,
     )
     return Launcher(config).run(handle_signals=True)
@@ -124,29 +86,25 @@ def _validate(args: argparse.Namespace, node: nodes.NodeSpec) -> None:
     error = UsageError
     if not 1 <= node.nproc_per_node <= MAX_NPROC:
         raise error(f"--nproc {node.nproc_per_node}: must be an integer in 1..{MAX_NPROC}")
-    for name in ("respawn_delay", "grace", "heartbeat_min_timeout", "startup_timeout"):
+    for name in ("respawn_delay", "grace"):
         value = getattr(args, name)
         if not value >= 0:  # also catches nan
             raise error(f"--{name.replace('_', '-')} {value:g}: must be >= 0 seconds")
     if args.max_restarts is not None and args.max_restarts < 0:
         raise error(f"--max-restarts {args.max_restarts}: must be an integer >= 0 (leave it out for no cap)")
-    if args.status_port is not None and not 0 <= args.status_port <= 65535:
-        raise error(f"--status-port {args.status_port}: must be an integer in 0..65535")
-    if not args.node_lease > 0:
-        raise error(f"--node-lease {args.node_lease:g}: must be > 0 seconds")
-    if not args.heartbeat_factor > 0:
-        raise error(f"--heartbeat-factor {args.heartbeat_factor:g}: must be > 0")
+    coordinator.validate_coordination(args)
+    if args.coordinator_timeout is not None and args.coordinator_timeout > args.node_lease:
+        raise error(
+            f"--coordinator-timeout {args.coordinator_timeout:g}: must be at most --node-lease {args.node_lease:g} "
+            "(an agent fences its ranks by the time its lease lapses)"
+        )
+    if args.external_coordinator and node.nnodes < 2:
+        raise error("--external-coordinator is for several nodes: give --nnodes N (2..4096) and --rdzv-endpoint")
     if args.timeout is not None and not args.timeout > 0:
         raise error(f"--timeout {args.timeout:g}: must be > 0 seconds (leave it out for no bound)")
     script = Path(args.script)
     if not script.is_file():
         raise error(f"SCRIPT {args.script}: no such file (expected a Python script to run as each rank)")
-    if args.events is not None:
-        events, folder = Path(args.events), Path(args.events).parent
-        if events.is_dir():
-            raise error(f"--events {args.events}: a directory (expected a file to write the events to)")
-        if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
-            raise error(f"--events {args.events}: its folder is not a writable directory")
     if args.log_dir is not None:
         log_dir = Path(args.log_dir)
         try:

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ds_recycle.cli.common import UsageError
+from ds_recycle.cli.common import UsageError, float_in
 
 MAX_NODES = 4096
 _NODE_FLAGS = {
@@ -41,6 +41,7 @@ _NODE_FLAGS = {
 DEFAULT_PORT = 29500
 DOMAIN_PATTERN = r"[A-Za-z0-9_.:\-]{1,64}"
 TOKEN_ENV = "DS_RECYCLE_TOKEN"
+MAX_WAIT_SECONDS = 86_400.0
 
 
 @dataclass(frozen=True)
@@ -55,12 +56,66 @@ class NodeSpec:
     """This node's failure domain (a rack, a switch); "" for none."""
 
 
+@dataclass(frozen=True)
+class JobSpec:
+    """The job a standalone ``ds-recycle coordinator`` hosts."""
+
+    nnodes: int
+    nproc_per_node: int
+    endpoint: tuple[str, int]
+    """Where it listens."""
+    token: str
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("several nodes (one agent per node; the same command on every node)")
-    group.add_argument("--nnodes", default=None, metavar="N", help="number of nodes (default: SLURM_NNODES, or 1)")
+    add_job_arguments(group)
     group.add_argument(
         "--node-rank", "--node_rank", dest="node_rank", default=None, metavar="K", help="this node (0..N-1)"
     )
+    group.add_argument(
+        "--hostfile",
+        default=None,
+        metavar="FILE",
+        help="DeepSpeed's hostfile (`host slots=G` per line): the nodes, their ranks and the endpoint",
+    )
+    group.add_argument(
+        "--domain",
+        default=None,
+        metavar="LABEL",
+        help="this node's failure domain (rack, switch): no domain may hold every replica of a stage",
+    )
+    group.add_argument(
+        "--allow-unsafe-placement",
+        action="store_true",
+        help="start even if one node holds every replica of a stage (its loss then stops the job)",
+    )
+    group.add_argument(
+        "--external-coordinator",
+        action="store_true",
+        help="a `ds-recycle coordinator` hosts the store at --rdzv-endpoint: node 0's agent joins it too",
+    )
+    group.add_argument(
+        "--coordinator-timeout",
+        type=float_in(0, 3600, low_open=True),
+        default=None,
+        metavar="S",
+        help="fence this node's ranks when the coordinator was unreachable for S seconds "
+        "(default 3, at most --node-lease)",
+    )
+    group.add_argument(
+        "--coordinator-wait",
+        type=float_in(0, MAX_WAIT_SECONDS),
+        default=600.0,
+        metavar="S",
+        help="wait up to S seconds for the coordinator: at start (at least 60), and after a fence for one back "
+        "at the endpoint, which restarts the job from its latest checkpoint (0 there: exit 1 at once; default 600)",
+    )
+
+
+def add_job_arguments(group: argparse._ActionsContainer) -> None:
+    """The flags that name the job, the same for its agents and a standalone coordinator."""
+    group.add_argument("--nnodes", default=None, metavar="N", help="number of nodes (default: SLURM_NNODES, or 1)")
     group.add_argument(
         "--nproc-per-node",
         "--nproc_per_node",
@@ -75,7 +130,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="rdzv_endpoint",
         default=None,
         metavar="HOST:PORT",
-        help="where node 0's agent hosts the store and the coordinator",
+        help="where the store and the coordinator listen (node 0's agent, or ds-recycle coordinator)",
     )
     group.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id", default=None, metavar="JOB", help="a job name")
     group.add_argument("--master-addr", "--master_addr", dest="master_addr", default=None, metavar="HOST")
@@ -87,24 +142,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="a node whose agent has not renewed its lease for S seconds is failed as a whole (default 5)",
     )
-    group.add_argument(
-        "--hostfile",
-        default=None,
-        metavar="FILE",
-        help="DeepSpeed's hostfile (`host slots=G` per line): the nodes, their ranks and the endpoint",
-    )
-    group.add_argument(
-        "--domain",
-        default=None,
-        metavar="LABEL",
-        help="this node's failure domain (rack, switch): no domain may hold every replica of a stage",
-    )
     group.add_argument("--token-file", default=None, metavar="FILE", help="the job token (mode 600)")
-    group.add_argument(
-        "--allow-unsafe-placement",
-        action="store_true",
-        help="start even if one node holds every replica of a stage (its loss then stops the job)",
-    )
 
 
 def resolve(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> NodeSpec:
@@ -116,6 +154,21 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -
     if not re.fullmatch(DOMAIN_PATTERN, domain):
         raise UsageError(f"--domain {domain!r}: 1 to 64 characters of [A-Za-z0-9_.:-] (e.g. rack3)")
     return dataclasses.replace(spec, domain=domain)
+
+
+def resolve_job(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> JobSpec:
+    """The job a standalone coordinator hosts (several nodes, an endpoint, the token); raises
+    UsageError naming the flag or variable and what is allowed."""
+    nnodes = _nnodes(args.nnodes, environ)
+    if nnodes < 2:
+        raise UsageError(
+            f"--nnodes {nnodes}: must be an integer in 2..{MAX_NODES} (a standalone coordinator is for several nodes)"
+        )
+    per_node = _first(args.nproc_per_node, "--nproc-per-node", environ, "SLURM_GPUS_ON_NODE")
+    if per_node is None:
+        raise UsageError("--nproc-per-node G is required: the ranks on each node, 1..1024 (or SLURM_GPUS_ON_NODE)")
+    nproc = _int_in(per_node[1], per_node[0], 1, 1024)
+    return JobSpec(nnodes, nproc, _endpoint(args, environ), _token(args.token_file, environ))
 
 
 def _resolve(args: argparse.Namespace, environ: Mapping[str, str]) -> NodeSpec:

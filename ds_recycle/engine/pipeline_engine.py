@@ -61,6 +61,8 @@ from ds_recycle.planner.list_scheduler import ScheduleOptions
 from ds_recycle.planner.lowering import WorkerStream, lower
 from ds_recycle.planner.plan import FORWARD, CostModel, Plan
 from ds_recycle.planner.simulate import retime
+from ds_recycle.runtime import exit_guard
+from ds_recycle.runtime import protocol as proto
 from ds_recycle.runtime.distributed import membership_agent
 from ds_recycle.runtime.events import IterationStats, MembershipChange, Monitor, PlanSummary
 from ds_recycle.runtime.groups import GROUP_TIMEOUT_SECONDS, RecycleGrid, bury
@@ -317,8 +319,19 @@ class RecyclePipelineEngine(PipelineEngine):
         return saved
 
     def resume_from_checkpoint(self) -> None:
-        """At start: continue from the latest checkpoint in ``recycle.checkpoint.dir``, if any."""
+        """At start: continue from the latest checkpoint in ``recycle.checkpoint.dir``, if any. In a
+        restart of the whole job (``DS_RECYCLE_RESUME=required``: generation > 0) there must be one:
+        without it the rank stops the job (exit 76) rather than train again from scratch."""
         tag = checkpoints.latest_tag(self.recycle.checkpoint)
+        if tag is None and os.environ.get(proto.ENV_RESUME) == "required":
+            config = self.recycle.checkpoint
+            where = "no recycle.checkpoint is configured" if config is None else f"no checkpoint in {config.dir}"
+            logger.error(
+                f"ReCycle: slot {self.slot}: the job restarts in generation {os.environ.get(proto.ENV_GENERATION)} "
+                f"(the coordinator's host died, or a stage lost every worker), but {where} to resume from: "
+                "the job stops here"
+            )
+            raise exit_guard.exit(proto.STOP_EXIT_CODE)
         if tag is None:
             return
         self.load_checkpoint(self.recycle.checkpoint.dir, tag)

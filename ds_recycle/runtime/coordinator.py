@@ -155,14 +155,19 @@ class Coordinator:
         policy: HeartbeatPolicy | None = None,
         nodes: NodeLayout | None = None,
         events: Callable[..., None] | None = None,
+        local_node: int | None = 0,
     ) -> None:
         """``kill(slot, incarnation)`` must SIGKILL that process if it is still the slot's current one
-        (for a slot of node 0, whose agent runs this coordinator; other nodes' agents get kill orders).
+        (for a slot of ``local_node``, whose agent runs this coordinator; other nodes' agents, every
+        node's with a standalone ``ds-recycle coordinator`` (``local_node=None``), get kill orders).
         ``events(event, **fields)`` gets each logged decision as a structured event (the launcher's
         ``--events`` stream)."""
         self.host, self.port, self.generation = host, port, generation
         self.world_size = world_size
         self.nodes = nodes or NodeLayout(1, world_size, 5.0)
+        self.local_node = local_node
+        self.exit_codes: dict[int, int] = {}
+        """Each slot's last observed exit code (Popen's convention), here or on its node."""
         self._dead_nodes: set[tuple[int, int]] = set()
         """(node, node incarnation) pairs whose lease lapsed: their reports are refused."""
         self._next_report = 1
@@ -224,6 +229,7 @@ class Coordinator:
             current = self._incarnations.get(exit.slot)
             if current is not None and current.number == exit.incarnation:
                 current.running = False
+            self.exit_codes[exit.slot] = exit.returncode
         self._exits.put(exit)
         self._wake.set()
 
@@ -433,7 +439,8 @@ class Coordinator:
     def _report_refusal(self, report: AgentReport) -> str:
         if not hmac.compare_digest(report.token.encode(), self.token.encode()):
             return "wrong token"
-        if report.kind not in ("started", "exited") or not 0 < report.node < self.nodes.count:
+        remote = 0 <= report.node < self.nodes.count and report.node != self.local_node
+        if report.kind not in ("started", "exited") or not remote:
             return f"kind {report.kind!r} from node {report.node}"
         if report.slot not in self.nodes.slots(report.node):
             return f"slot {report.slot} is not on node {report.node}"
@@ -455,7 +462,9 @@ class Coordinator:
             self._log(f"lease checks were delayed {stalled:.1f} s: judging the nodes' leases again from now on")
             self._emit("lease_checks_delayed", seconds=stalled)
             return failed
-        for node in range(1, self.nodes.count):
+        for node in range(self.nodes.count):
+            if node == self.local_node:
+                continue
             key = proto.lease_key(node)
             if not self._store.check([key]):
                 continue
@@ -492,7 +501,7 @@ class Coordinator:
 
     def _kill_rank(self, slot: int, incarnation: int) -> None:
         node = self.nodes.node_of(slot)
-        if node == 0:
+        if node == self.local_node:
             self._kill(slot, incarnation)
             return
         index = int(self._store.add(proto.kill_count_key(node), 1))

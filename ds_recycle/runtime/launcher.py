@@ -1,5 +1,5 @@
-"""A single-host launcher that starts one process per rank, hosts the coordinator store and keeps
-survivors alive.
+"""The agent of one node: it starts one process per rank, hosts the coordinator store (node 0, by
+default) or joins it, and keeps survivors alive.
 
 DeepSpeed's launcher kills every local rank as soon as one exits non-zero. This one lets each rank
 end on its own, can start a rank that ended again (``respawn``) so that it re-joins, and bounds the
@@ -9,10 +9,15 @@ so a rank's children go with it.
 :class:`Launcher` runs one job (``ds-recycle launch``, docs/runtime.md); :func:`launch` is the
 programmatic form the tests use. The launcher:
 
-- hosts a TCPStore (the store ``env://`` rendezvous and the ReCycle coordinator both use) and writes
-  ``world_size``, ``epoch/0`` and ``current_epoch`` under ``job/<generation>/`` before any rank starts;
-- runs a :class:`~ds_recycle.runtime.coordinator.Coordinator` (the one writer of ``pending``) and
-  tells it about every start and every exit it observes through waitpid;
+- on node 0 (without ``external_coordinator``) hosts the job's store and coordinator
+  (:class:`~ds_recycle.runtime.host.CoordinatorHost`: the generation's keys are written before any
+  rank starts) and tells the coordinator about every start and every exit it observes through
+  waitpid; on every other node (every node, with a standalone ``ds-recycle coordinator``) waits
+  for the coordinator's generation and tells it through a :class:`~ds_recycle.runtime.node.NodeLink`;
+- when the coordinator's host dies (its link fences the node after ``coordinator_timeout``), waits
+  up to ``coordinator_wait`` for a coordinator back at the endpoint and starts every rank again in
+  the generation it runs, from the latest checkpoint (a rank of a generation > 0 that finds none
+  stops the job with a message);
 - prints one line per event: ``rank R pid P started``, ``rank R exited (code C | signal NAME)``,
   ``rank R respawned (incarnation k)``, and the coordinator's lines;
 - with ``events`` (``--events FILE``), also writes each event as one JSON line for programs that
@@ -26,7 +31,7 @@ soon after its start waits twice as long each time, and is given up past ``max_r
 ended, all ranks start again in generation + 1 (with ``respawn``), or the launcher ends (without).
 The exit code is 0 iff the job finished and every rank that was a member at the end exited 0;
 124 on timeout; 75 when a restart was requested without ``respawn``; 128 + signal when the launcher
-was interrupted; 1 otherwise.
+was interrupted; 1 otherwise (a fenced node whose coordinator did not come back included).
 """
 
 from __future__ import annotations
@@ -42,14 +47,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
 from ds_recycle.runtime import protocol as proto
-from ds_recycle.runtime.coordinator import Coordinator, HeartbeatPolicy, NodeLayout, RankExit, describe_returncode
-from ds_recycle.runtime.node import NodeLink, NodeRefused
+from ds_recycle.runtime.coordinator import Coordinator, HeartbeatPolicy, RankExit, describe_returncode
+from ds_recycle.runtime.host import CoordinatorHost, HostConfig, NodesMissing
+from ds_recycle.runtime.node import CoordinatorGone, NodeLink, NodeRefused, await_generation
 from ds_recycle.runtime.protocol import Membership
-from ds_recycle.runtime.status import StatusServer
 
 TIMEOUT_EXIT_CODE = 124
 FAILURE_EXIT_CODE = 1
@@ -75,6 +79,8 @@ EVENTS = {
     "coordinator_error": "error",
     "lease_checks_delayed": "seconds",
     "fenced": "node, why",
+    "coordinator_lost": "node, generation, wait: a fenced node waits for a coordinator back at the endpoint",
+    "refused_check_in": "node: a check-in with the wrong token",
     "node_refused": "why",
     "timeout": "seconds",
     "interrupted": "signal",
@@ -82,7 +88,38 @@ EVENTS = {
 }
 """``--events``: one JSON object per line, ``{"event": NAME, "time": wall seconds, FIELDS...}``."""
 OTHER_NODES_GRACE_SECONDS = 60.0
+DEFAULT_COORDINATOR_TIMEOUT = 3.0
+START_WAIT_SECONDS = 60.0
+"""An agent waits at least this long for the coordinator at the job's start."""
 PR_SET_PDEATHSIG = 1
+
+
+class EventStream:
+    """``--events FILE``: one JSON line per event (:data:`EVENTS`), written and flushed at once;
+    nothing without a file. Truncated at :meth:`open`; ``ended`` is the last event."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._file = None
+        self._lock = threading.Lock()
+
+    def open(self) -> EventStream:
+        if self.path is not None:
+            self._file = open(self.path, "w")  # noqa: SIM115 (closed by close())
+        return self
+
+    def emit(self, event: str, **fields: object) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
+                self._file.flush()
+
+    def close(self, code: int | None) -> None:
+        self.emit("ended", code=code)
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
 
 
 @dataclass
@@ -111,6 +148,15 @@ class LaunchConfig:
     """Where node 0's agent hosts the store (``--rdzv-endpoint``); None: one node, any free port."""
     node_lease: float = 5.0
     """A node whose agent has not renewed its lease for this long is failed as a whole."""
+    external_coordinator: bool = False
+    """A ``ds-recycle coordinator`` hosts the store at ``endpoint``: node 0's agent joins it too."""
+    coordinator_timeout: float | None = None
+    """An agent that could not reach the coordinator for this long fences its ranks (at most
+    ``node_lease``; None: DEFAULT_COORDINATOR_TIMEOUT or ``node_lease`` if shorter)."""
+    coordinator_wait: float = 600.0
+    """How long an agent waits for the coordinator: at start, and after fencing its ranks for a
+    coordinator back at the endpoint (0 there: end at once). Node 0's host waits as long for
+    every other node's agent to check in."""
     token: str | None = None
     """The job token, the same on every node (None on one node: a fresh random one)."""
     domain: str = ""
@@ -176,7 +222,7 @@ class Launcher:
         self.config = config
         self._echo = echo or _print
         self._echo_lock = threading.Lock()
-        self._events_file = None
+        self.events = EventStream(config.events)
         self._procs_lock = threading.Lock()  # reaping vs. the coordinator's kill
         first = config.node_rank * config.nproc
         self.slots = [_Slot(r) for r in range(first, first + config.nproc)]
@@ -192,25 +238,27 @@ class Launcher:
         self.restart_requested = False
         self._signal: int | None = None
         self._others_deadline: float | None = None
-        self.status: StatusServer | None = None
-        self._server = None
-        self.coordinator: Coordinator | None = None
+        self._last_exit = 0.0
+        """Wall time of the last exit waitpid saw."""
+        self.host: CoordinatorHost | None = None
+        self._address: tuple[str, int] | None = None
+        self.coordinator: Coordinator | NodeLink | None = None
 
     # ---- public --------------------------------------------------------------------------------
 
     def run(self, handle_signals: bool = False) -> int:
         """Run the job to its end; ``handle_signals`` turns SIGINT/SIGTERM into a clean stop (main thread only)."""
         previous = self._install_signal_handlers() if handle_signals else {}
-        if self.config.events is not None:
-            self._events_file = open(self.config.events, "w")  # noqa: SIM115 (closed at the end of run)
+        self.events.open()
         code = None
         try:
             self._host_store()
             self._truncate_logs()
             try:
+                self.generation = self.host.first_generation() if self.host else self._await_generation(-1)
                 self._start_generation()
-            except NodeRefused as refused:
-                self.log(f"refused: {refused}")
+            except (NodeRefused, NodesMissing, CoordinatorGone) as refused:
+                self.log(f"refused: {refused}" if isinstance(refused, NodeRefused) else str(refused))
                 self.emit("node_refused", why=str(refused))
                 code = FAILURE_EXIT_CODE
                 return code
@@ -218,17 +266,15 @@ class Launcher:
             return code
         finally:
             self._kill_all()
-            if self.coordinator is not None:
+            if isinstance(self.coordinator, NodeLink):
+                self.coordinator.end(code)
+            elif self.coordinator is not None:
                 self.coordinator.stop()
-            if self.status is not None:
-                self.status.stop()
+            if self.host is not None:
+                self.host.stop()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-            self.emit("ended", code=code)
-            if self._events_file is not None:
-                with self._echo_lock:
-                    self._events_file.close()
-                    self._events_file = None
+            self.events.close(code)
 
     def results(self) -> list[RankResult]:
         return [
@@ -238,55 +284,48 @@ class Launcher:
 
     @property
     def address(self) -> tuple[str, int]:
-        if self.config.node_rank > 0:
-            return self.config.endpoint
-        return self.config.host, self._server.port
+        return self._address or self.config.endpoint
 
     @property
     def hosts_coordinator(self) -> bool:
-        return self.config.node_rank == 0
+        return self.config.node_rank == 0 and not self.config.external_coordinator
+
+    @property
+    def coordinator_timeout(self) -> float:
+        config = self.config
+        return min(config.coordinator_timeout or DEFAULT_COORDINATOR_TIMEOUT, config.node_lease)
 
     # ---- setup ---------------------------------------------------------------------------------
 
     def _host_store(self) -> None:
-        import torch.distributed as dist
-
         if not self.hosts_coordinator:
             return
-        host, port = self.config.endpoint or (self.config.host, 0)
-        self._server = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-        self.log(f"store listening on {host}:{self._server.port}")
-        self.emit("store", host=host, port=self._server.port)
+        config = self.config
+        host, port = config.endpoint or (config.host, 0)
+        host_config = HostConfig(
+            nnodes=config.nnodes,
+            nproc=config.nproc,
+            host=host,
+            port=port,
+            token=self.token,
+            node_lease=config.node_lease,
+            heartbeat=config.heartbeat,
+            status_port=config.status_port,
+            local_node=config.node_rank,
+            check_in_timeout=config.coordinator_wait,
+        )
+        self.host = CoordinatorHost(host_config, log=self.log, emit=self.emit, kill=self._kill_incarnation)
+        self._address = self.host.listen()
 
     def _start_generation(self) -> None:
-        import torch.distributed as dist
-
-        g, n = self.generation, self.world_size
-        host, port = self.address
-        if self.hosts_coordinator:
-            store = dist.PrefixStore(proto.prefix(g), self._server)
-            store.set(proto.WORLD_SIZE, str(n))
-            store.set(proto.epoch_key(0), Membership(0, tuple(range(n)), 0).to_json())
-            store.set(proto.PENDING, proto.changes_to_json([]))
-            store.set(proto.CURRENT_EPOCH, "0")
-            store.set(proto.domain_key(0), self.config.domain)
-            layout = NodeLayout(self.config.nnodes, self.config.nproc, self.config.node_lease)
-            self.coordinator = Coordinator(
-                host,
-                port,
-                g,
-                n,
-                self.token,
-                log=self.log,
-                kill=self._kill_incarnation,
-                policy=self.config.heartbeat,
-                nodes=layout,
-                events=self.emit,
-            )
+        """Start every rank of this node in ``self.generation`` (its keys are written already when
+        another node hosts the coordinator: :meth:`_await_generation` returned it)."""
+        if self.host is not None:
+            self.coordinator = self.host.start(self.generation, self.config.domain)
             first_incarnation = 0
-            self._serve_status(f"{host}:{port}", g)
         else:
-            self.coordinator = self._link_to_coordinator(f"{host}:{port}", g)
+            host, port = self.address
+            self.coordinator = self._link_to_coordinator(f"{host}:{port}", self.generation)
             first_incarnation = self.coordinator.node_incarnation - 1
         self.coordinator.start()
         self.restart_requested = False
@@ -294,31 +333,18 @@ class Launcher:
             s.incarnation, s.respawn_at = first_incarnation, None
             self._spawn(s)
 
-    def _serve_status(self, address: str, generation: int) -> None:
-        if self.config.status_port is None:
-            return
-        if self.status is not None:
-            self.status.stop()
+    def _await_generation(self, last: int, newer_only: bool = True) -> int:
+        """Check in at the coordinator's store and wait until it runs a generation after ``last``
+        (``newer_only``) or any generation; raises CoordinatorGone. The bound is ``coordinator_wait``,
+        at least START_WAIT_SECONDS at the job's start (the coordinator may start after the agents)."""
         config = self.config
-        self.status = StatusServer(address, generation, config.host, config.status_port, config.nproc, config.nnodes)
-        self.status.start()
-        self.log(f"status page at http://{config.host}:{self.status.port}/ (JSON: /status.json)")
+        host, port = config.endpoint
+        wait = config.coordinator_wait if last >= 0 else max(config.coordinator_wait, START_WAIT_SECONDS)
+        return await_generation(f"{host}:{port}", config.node_rank, self.token, last, wait, newer_only)
 
     def _link_to_coordinator(self, address: str, generation: int) -> NodeLink:
-        """Node K > 0: wait for node 0's store, register a node incarnation (a restarted agent's
-        ranks join the running job), and hold the node's lease."""
-        import torch.distributed as dist
-
-        deadline = time.monotonic() + self.config.node_lease + 60.0
-        while True:
-            try:
-                store = proto.connect(address, generation, timeout=5.0)
-                store.wait([proto.WORLD_SIZE], timedelta(seconds=60))
-                break
-            except (RuntimeError, dist.DistStoreError):
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
+        """A node that does not host the coordinator: register a node incarnation in the generation
+        (a restarted agent's ranks join the running job) and hold the node's lease."""
         link = NodeLink(
             address,
             generation,
@@ -328,6 +354,7 @@ class Launcher:
             log=self.log,
             kill=self._kill_incarnation,
             fence=self._fence,
+            grace=self.coordinator_timeout,
         )
         incarnation = link.register(self.config.domain)
         what = "re-joins the running job" if link.rejoining else "starts"
@@ -376,6 +403,8 @@ class Launcher:
                     proto.ENV_GENERATION: str(self.generation),
                 }
             )
+            if self.generation > 0:
+                env[proto.ENV_RESUME] = "required"
         cmd = [config.python, *config.argv]
         started = time.time()
         options = {"env": env, "start_new_session": True, "preexec_fn": _die_with_parent}
@@ -414,8 +443,10 @@ class Launcher:
                 return self._stop_on_signal()
             if self.fenced is not None:
                 self._kill_all()
-                self.log(f"node {self.config.node_rank} ended: fenced ({self.fenced})")
-                return FAILURE_EXIT_CODE
+                code = self._after_fence()
+                if code is not None:
+                    return code
+                continue
             for s in self.slots:
                 self._reap(s)
             if self.finished:
@@ -440,14 +471,21 @@ class Launcher:
                     if not config.respawn:
                         self.log("a rank asked for a restart from the checkpoint; without --respawn the job ends")
                         return proto.RESTART_EXIT_CODE
-                    self.generation += 1
                     self.coordinator.stop()
+                    if self.host is not None:
+                        self.generation += 1
+                    else:
+                        try:
+                            self.generation = self._await_generation(self.generation, newer_only=True)
+                        except CoordinatorGone as gone:
+                            self.log(f"no new generation to restart in: {gone}")
+                            return FAILURE_EXIT_CODE
                     self.log(f"restarting every rank from the checkpoint (generation {self.generation})")
                     self.emit("restarting", generation=self.generation)
                     self._start_generation()
                     continue
             elif not running and not any(s.respawn_at is not None for s in self.slots):
-                if self.hosts_coordinator and not self._other_nodes_ended(now):
+                if (self.hosts_coordinator and not self._other_nodes_ended(now)) or self._coordinator_in_doubt():
                     time.sleep(POLL_SECONDS)
                     continue
                 return self._final_code()
@@ -464,7 +502,7 @@ class Launcher:
             code = s.proc.poll()
             if code is None:
                 return
-            observed = time.time()
+            observed = self._last_exit = time.time()
             _killpg(s.proc.pid)  # the rank's leftover children, if any
         s.returncode = code
         self.log(f"rank {s.slot} exited ({describe_returncode(code)})")
@@ -535,6 +573,58 @@ class Launcher:
             self._others_deadline = now + OTHER_NODES_GRACE_SECONDS
         return self.coordinator.all_ended() or now >= self._others_deadline
 
+    def _coordinator_in_doubt(self) -> bool:
+        """Every rank of this node ended and the coordinator was not heard from since: they may
+        have ended because its host died. The link tells within its grace (it renews or fences)."""
+        link = self.coordinator
+        return (
+            isinstance(link, NodeLink)
+            and not self.finished
+            and not link.fenced
+            and link.last_renewal <= self._last_exit
+        )
+
+    def _after_fence(self) -> int | None:
+        """This node fenced itself (its ranks are dead). Wait, bounded, for a coordinator at the
+        endpoint: one that runs a later generation (restarted after its host died) gets every rank
+        again, from the latest checkpoint (returns None); the same one (this node was cut off or
+        frozen, the job went on without it) or none ends the agent (returns the exit code)."""
+        config, node = self.config, self.config.node_rank
+        why, self.fenced = self.fenced, None
+        self.coordinator.stop(timeout=1.0)
+        if config.coordinator_wait <= 0:
+            self.log(f"node {node} ended: fenced ({why})")
+            return FAILURE_EXIT_CODE
+        host, port = config.endpoint
+        self.log(
+            f"node {node} fenced its ranks ({why}); waiting up to {config.coordinator_wait:g} s for a coordinator "
+            f"at {host}:{port} (--coordinator-wait) to restart the job from its latest checkpoint"
+        )
+        self.emit("coordinator_lost", node=node, generation=self.generation, wait=config.coordinator_wait)
+        try:
+            generation = self._await_generation(self.generation, newer_only=False)
+        except CoordinatorGone as gone:
+            self.log(f"node {node} ended: fenced ({why}); {gone}")
+            return FAILURE_EXIT_CODE
+        if generation <= self.generation:
+            self.log(
+                f"node {node} ended: fenced ({why}); the coordinator at {host}:{port} still runs generation "
+                f"{generation}, so the job went on without this node (it was cut off or frozen): start its agent "
+                "again to re-admit it"
+            )
+            return FAILURE_EXIT_CODE
+        self.log(
+            f"a coordinator is back at {host}:{port}: every rank of node {node} starts again in generation "
+            f"{generation}, from the latest checkpoint"
+        )
+        self.emit("restarting", generation=generation)
+        self.generation = generation
+        self.finished = self.stopped = False
+        for s in self.slots:
+            s.quick_failures, s.given_up = [], False
+        self._start_generation()
+        return None
+
     def _end_stragglers(self, running: list[_Slot]) -> None:
         """Once finished, a process that is not a member (a joiner nobody will admit) is stopped."""
         members = self._membership().members
@@ -545,7 +635,10 @@ class Launcher:
 
     def _final_code(self) -> int:
         if self.stopped:
-            self.log("job stopped before it finished: a stage lost every worker")
+            self.log(
+                "job stopped before it finished: a stage lost every worker, or a restart found no checkpoint "
+                "(the ranks' logs say which)"
+            )
             return FAILURE_EXIT_CODE
         members = self._membership().members
         bad = [s.slot for s in self.slots if s.slot in members and s.returncode != 0]
@@ -618,11 +711,7 @@ class Launcher:
             self._echo(f"{LOG_PREFIX} {message}")
 
     def emit(self, event: str, **fields: object) -> None:
-        """One event of the ``events`` stream (nothing without one), written and flushed at once."""
-        with self._echo_lock:
-            if self._events_file is not None:
-                self._events_file.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
-                self._events_file.flush()
+        self.events.emit(event, **fields)
 
     def _truncate_logs(self) -> None:
         if self.config.log_dir is None:

@@ -1,16 +1,21 @@
-"""A node's link to the coordinator, on every node but node 0 (whose agent hosts the coordinator).
+"""A node's link to the coordinator, on every node whose agent does not host it (every node but
+node 0, or every node with a standalone ``ds-recycle coordinator``).
 
-The launcher of node K > 0 hands it what waitpid sees; in a thread of its own (with its own store
-client) the link
+The launcher hands it what waitpid sees; in a thread of its own (with its own store client) the link
 
 - reports its ranks' starts and exits (``report/<k>``), which the coordinator treats as it treats
   node 0's own;
 - renews the node's lease (``lease/<K>``) every fifth of the lease timeout (at least every 0.1 s);
 - carries out the coordinator's kills (``kill/<K>/<k>``: a hung rank of this node);
-- **fences** the node when it could not renew its lease for the whole timeout (a partition, the
-  coordinator's host gone, or this node frozen and thawed): it kills every rank of the node at
-  once, so that a node the coordinator may already have declared dead never comes back as a zombie
-  member, and the launcher ends with an error.
+- **fences** the node when it could not renew its lease for ``grace`` seconds (``--coordinator-timeout``,
+  at most the lease timeout: a partition, the coordinator's host gone, or this node frozen and
+  thawed): it kills every rank of the node at once, so that a node the coordinator may already
+  have declared dead never comes back as a zombie member;
+- writes the agent's exit code (``ended/<K>``) as it ends.
+
+After a fence the launcher waits for a coordinator at the endpoint (:func:`await_generation`): a
+restarted one runs a later generation and the node's ranks start again in it; the same one still
+running means the job went on without this node, and the agent ends.
 
 The link registers as a new node incarnation at start (``node_incarnation/<K>``): the first agent
 of a node starts its ranks fresh; a restarted one (incarnation > 1) starts them as joiners, and is
@@ -20,23 +25,72 @@ refused while its predecessor's lease is still live.
 from __future__ import annotations
 
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable
 
 from ds_recycle.runtime import protocol as proto
 from ds_recycle.runtime.coordinator import RankExit, renew_seconds
-from ds_recycle.runtime.protocol import AgentReport, KillOrder, Lease, Membership
+from ds_recycle.runtime.protocol import AgentReport, CheckIn, KillOrder, Lease, Membership
 
 LEASE_WATCH_SECONDS = 0.05
+CHECK_IN_POLL_SECONDS = 0.1
+CONNECT_SECONDS = 2.0
+"""Bound on one attempt to reach the coordinator's store while waiting for it."""
 
 
 class NodeRefused(RuntimeError):
     """The coordinator's store says this node may not start now (its predecessor's lease is live)."""
 
 
+class CoordinatorGone(RuntimeError):
+    """No coordinator at the endpoint ran the generation waited for within the bound."""
+
+
+def await_generation(address: str, node: int, token: str, last: int, wait: float, newer_only: bool = True) -> int:
+    """Check in at the coordinator's store (``check_in/<node>``: this node last ran generation
+    ``last``, -1 for none) and wait until the store names the generation it runs, after ``last``
+    (``newer_only``) or any; returns it. Every attempt is bounded; CoordinatorGone after ``wait`` s."""
+    import torch.distributed as dist
+
+    deadline = time.monotonic() + wait
+    root, checked_in = None, False
+    while True:
+        try:
+            if root is None and _listening(address):
+                root = proto.connect(address, None, timeout=CONNECT_SECONDS)
+            if root is None:
+                raise ConnectionRefusedError(address)
+            if root.check([proto.GENERATION]):
+                generation = int(root.get(proto.GENERATION))
+                if generation > last or not newer_only:
+                    return generation
+            if not checked_in:
+                root.set(proto.check_in_key(node), CheckIn(node, last, token).to_json())
+                checked_in = True
+        except (RuntimeError, OSError, dist.DistStoreError, ValueError):
+            root, checked_in = None, False  # not listening (yet), or it went away: a fresh client next time
+        if time.monotonic() > deadline:
+            after = f"a generation after {last}" if last >= 0 else "the job"
+            raise CoordinatorGone(f"no coordinator at {address} started {after} within {wait:g} s")
+        time.sleep(CHECK_IN_POLL_SECONDS)
+
+
+def _listening(address: str) -> bool:
+    """Whether something accepts connections at ``host:port`` (tried with a plain socket first: a
+    TCPStore client that cannot connect logs a stack trace per attempt)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=CONNECT_SECONDS):
+            return True
+    except OSError:
+        return False
+
+
 class NodeLink:
-    """The coordinator as a node K > 0's launcher sees it (same calls as :class:`Coordinator`)."""
+    """The coordinator as a node's launcher sees it when another host runs it (the same calls as
+    :class:`Coordinator`)."""
 
     def __init__(
         self,
@@ -48,10 +102,13 @@ class NodeLink:
         log: Callable[[str], None],
         kill: Callable[[int, int], None],
         fence: Callable[[str], None],
+        grace: float | None = None,
     ) -> None:
+        """``grace``: fence after this long without a renewal (default and at most ``lease_seconds``)."""
         self.address, self.generation, self.node = address, generation, node
         self.token = token
         self.lease_seconds = lease_seconds
+        self.grace = lease_seconds if grace is None else min(grace, lease_seconds)
         self._log, self._kill, self._fence = log, kill, fence
         self._store = proto.connect(address, generation, timeout=max(1.0, lease_seconds))
         self._query = proto.connect(address, generation, timeout=max(1.0, lease_seconds))
@@ -104,6 +161,17 @@ class NodeLink:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def end(self, code: int | None) -> None:
+        """The agent ends with ``code``: stop, and tell the coordinator (best effort; a fenced
+        node's coordinator is gone or has failed it already)."""
+        self.stop()
+        if code is None or self.fenced:
+            return
+        try:
+            self._store.set(proto.ended_key(self.node), str(code))
+        except Exception:
+            pass
+
     def rank_started(self, slot: int, incarnation: int, wall_time: float) -> None:
         self._reports.put(self._report("started", slot, incarnation, 0, None, wall_time))
 
@@ -145,13 +213,14 @@ class NodeLink:
                 return
 
     def _lease_lapsed(self) -> bool:
-        """Fence the node (once) if its lease was not renewed for the whole timeout."""
+        """Fence the node (once) if its lease was not renewed for ``grace`` seconds."""
         silent = time.time() - self.last_renewal
-        if silent <= self.lease_seconds:
+        if silent <= self.grace:
             return False
         with self._fence_lock:
             if not self.fenced:
-                self._fence_node(f"no lease renewal for {silent:.1f} s (timeout {self.lease_seconds:g} s)")
+                limits = f"coordinator timeout {self.grace:g} s, lease {self.lease_seconds:g} s"
+                self._fence_node(f"no lease renewal for {silent:.1f} s ({limits})")
         self._stop.set()
         return True
 

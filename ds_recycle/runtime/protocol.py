@@ -32,7 +32,14 @@ lease/<node>                    :class:`Lease` JSON, renewed by the node's agent
 domain/<node>                   the node's failure domain (``--domain``; "" for none)  agent
 report_count, report/<k>        :class:`AgentReport` JSON: a rank started or exited    agent
 kill_count/<node>, kill/<node>/<k>  slot and incarnation the node's agent must kill    launcher
+ended/<node>                    the node's agent's exit code, written as it ends       agent
 ==============================  =====================================================  ==========
+
+Two keys live outside every generation, at the store's root: ``generation`` (the generation the
+coordinator runs; written once its ``job/<g>/`` keys are) and ``check_in/<node>`` (a
+:class:`CheckIn`: an agent waiting for the coordinator to start a generation). A coordinator
+restarted after its host died has a fresh store: it waits for every node's check-in and runs
+generation max(last) + 1, so that no process of an earlier generation can write into the new one.
 
 With several nodes, node 0's agent hosts the store and the coordinator; every other node's agent
 reports its ranks' starts and exits (``report/<k>``), holds a lease (``lease/<node>``), and carries
@@ -60,6 +67,9 @@ ENV_ALLOW_UNSAFE_PLACEMENT = "DS_RECYCLE_ALLOW_UNSAFE_PLACEMENT"
 replica of a stage (its loss then stops the job or restarts it from a checkpoint)."""
 ENV_GENERATION = "DS_RECYCLE_GENERATION"
 """0 at first, +1 at every restart of the whole job from a checkpoint; the key prefix."""
+ENV_RESUME = "DS_RECYCLE_RESUME"
+"""``required`` when the agents restart every rank after the coordinator's host died: a rank that
+finds no checkpoint to resume from exits 76 with a message instead of training from scratch."""
 
 RESTART_EXIT_CODE = 75
 """A trainer exits with this code when training cannot go on in place (a stage lost every worker) and
@@ -161,6 +171,15 @@ def kill_key(node: int, index: int) -> str:
     return f"kill/{node}/{index}"
 
 
+def ended_key(node: int) -> str:
+    return f"ended/{node}"
+
+
+def check_in_key(node: int) -> str:
+    """At the store's root (no generation prefix)."""
+    return f"check_in/{node}"
+
+
 def request_key(index: int) -> str:
     return f"request/{index}"
 
@@ -179,19 +198,21 @@ REQUEST_COUNT = "request_count"
 REPORT_COUNT = "report_count"
 PENDING = "pending"
 ALERT = "alert"
+GENERATION = "generation"
+"""At the store's root (no generation prefix)."""
 
 
-def connect(address: str, generation: int, timeout: float = STORE_TIMEOUT_SECONDS) -> Store:
-    """A new client of the job store at ``host:port``, under the generation's key prefix. Each
-    thread that may block in a store call needs a client of its own (a blocking call on a TCPStore
-    client blocks every other thread using that client)."""
+def connect(address: str, generation: int | None, timeout: float = STORE_TIMEOUT_SECONDS) -> Store:
+    """A new client of the job store at ``host:port``, under the generation's key prefix (None: the
+    store's root). Each thread that may block in a store call needs a client of its own (a blocking
+    call on a TCPStore client blocks every other thread using that client)."""
     import torch.distributed as dist
 
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"{ENV_STORE}={address!r} must be host:port")
     base = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
-    return dist.PrefixStore(prefix(generation), base)
+    return base if generation is None else dist.PrefixStore(prefix(generation), base)
 
 
 def read_membership(store: Store, epoch: int | None = None) -> Membership:
@@ -304,6 +325,24 @@ class Lease:
     def from_json(cls, text: str | bytes) -> Lease:
         data = json.loads(text)
         return cls(int(data["node_incarnation"]), float(data["time"]))
+
+
+@dataclass(frozen=True)
+class CheckIn:
+    """An agent waits for the coordinator to start a generation; ``last_generation`` is the one its
+    ranks ran last (-1: none, a fresh agent)."""
+
+    node: int
+    last_generation: int
+    token: str
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> CheckIn:
+        data = json.loads(text)
+        return cls(int(data["node"]), int(data["last_generation"]), str(data["token"]))
 
 
 @dataclass(frozen=True)

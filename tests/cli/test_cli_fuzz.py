@@ -431,10 +431,53 @@ LAUNCH = Entry(
         Option("--heartbeat-factor", bad_seconds(positive=True), st.just("3")),
         Option("--timeout", bad_seconds(positive=True), st.just("30")),
         Option("--node-lease", bad_seconds(positive=True), st.just("5")),
+        Option("--coordinator-wait", bad_seconds(positive=False), st.just("600")),
         Option("--nnodes", st.sampled_from(["0", "1:4", "2:", "x", "-1", "4097", "1.5"]), st.just("1")),
         Option("--log-dir", st.just(BadPath("parent_is_file", "logs")), st.just(OutPath("logs"))),
     ],
     extra_bad=[launch_bad_script(), launch_no_script()],
+    fast_valid=False,
+)
+
+
+# ----- ds-recycle coordinator -------------------------------------------------------------------
+#
+# Like launch, a valid coordinator starts a store and waits for agents, so only bad inputs are
+# fuzzed (the job token is not set here: every bad flag must be named before the token is read).
+
+
+@st.composite
+def coordinator_valid(draw) -> Args:
+    args: Args = [("--nnodes", "2"), ("--nproc-per-node", "2"), ("--rdzv-endpoint", "127.0.0.1:1")]
+    for flag, values in (
+        ("--node-lease", st.sampled_from(["1", "5"])),
+        ("--check-in-timeout", st.sampled_from(["1", "600"])),
+        ("--timeout", st.sampled_from(["30"])),
+        ("--heartbeat-min-timeout", st.sampled_from(["0.5", "1"])),
+        ("--heartbeat-factor", st.sampled_from(["1", "3"])),
+        ("--startup-timeout", st.sampled_from(["10", "120"])),
+    ):
+        if draw(st.booleans()):
+            args.append((flag, draw(values)))
+    return draw(st.permutations(args))
+
+
+COORDINATOR = Entry(
+    command="coordinator",
+    valid=coordinator_valid(),
+    options=[
+        Option(
+            "--nnodes", st.sampled_from(["0", "1", "1:4", "2:", "x", "-1", "4097", "1.5"]), st.just("2"), required=True
+        ),
+        Option("--nproc-per-node", bad_ints(1, 1024), st.just("2"), required=True),
+        Option("--rdzv-endpoint", st.sampled_from(["", "host", ":1", "h:", "h:0", "h:65536", "h:x"]), st.just("h:1")),
+        Option("--node-lease", bad_seconds(positive=True), st.just("5")),
+        Option("--check-in-timeout", bad_seconds(positive=True), st.just("600")),
+        Option("--timeout", bad_seconds(positive=True), st.just("30")),
+        Option("--heartbeat-min-timeout", bad_seconds(positive=False), st.just("1")),
+        Option("--heartbeat-factor", bad_seconds(positive=True), st.just("3")),
+        Option("--status-port", bad_ints(0, 65535), st.just("0")),
+    ],
     fast_valid=False,
 )
 
@@ -627,7 +670,7 @@ SIMULATE = Entry(
 
 # ----- the table --------------------------------------------------------------------------------
 
-ENTRIES: dict[str, Entry] = {"plan": PLAN, "launch": LAUNCH, "simulate": SIMULATE}
+ENTRIES: dict[str, Entry] = {"plan": PLAN, "launch": LAUNCH, "simulate": SIMULATE, "coordinator": COORDINATOR}
 """One entry per subcommand of ``ds_recycle.cli.COMMANDS``."""
 
 

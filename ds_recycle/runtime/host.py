@@ -1,0 +1,293 @@
+"""The coordinator's host: the job's store, the generation it runs, its :class:`Coordinator` and
+status page.
+
+By default node 0's agent (``ds-recycle launch``) is the host, as torchrun's c10d host; with
+``ds-recycle coordinator`` a host of its own runs it and every node's agent, node 0's included,
+joins it through a :class:`~ds_recycle.runtime.node.NodeLink`. Either way one
+:class:`CoordinatorHost`:
+
+- listens: a TCPStore at the endpoint (:meth:`CoordinatorHost.listen`);
+- chooses the generation (:meth:`CoordinatorHost.first_generation`): it waits until every node's
+  agent has checked in (``check_in/<node>``, with the generation its ranks ran last) and runs
+  max(last) + 1, 0 for a fresh job. A host started again after its predecessor died has a fresh
+  store; the agents that waited for it carry the generation, and the ranks of the new one resume
+  from the latest checkpoint. A number above every earlier one also keeps any process of an
+  earlier generation from writing into the new one (every key is under ``job/<generation>/``);
+- writes ``world_size``, ``epoch/0``, ``pending`` and ``current_epoch`` under ``job/<g>/``, then
+  the root key ``generation`` that the agents wait for, and starts the generation's coordinator
+  and status page (:meth:`CoordinatorHost.start`);
+- says when the job is over on every node (:meth:`CoordinatorHost.nodes_ended`).
+
+:func:`serve` is the whole of ``ds-recycle coordinator``: it hosts the job until every node's agent
+ended (or died), starting a new generation when the ranks asked for a restart from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import hmac
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from ds_recycle.runtime import protocol as proto
+from ds_recycle.runtime.coordinator import Coordinator, HeartbeatPolicy, NodeLayout
+from ds_recycle.runtime.protocol import CheckIn, Lease, Membership
+from ds_recycle.runtime.status import StatusServer
+
+CHECK_IN_POLL_SECONDS = 0.05
+TIMEOUT_EXIT_CODE = 124
+FAILURE_EXIT_CODE = 1
+LOG_PREFIX = "[ds-recycle coordinator]"
+
+
+class NodesMissing(RuntimeError):
+    """Some node's agent did not check in within the bound: the job cannot start a generation."""
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    """What the coordinator's host needs; the same from ``ds-recycle launch`` and ``ds-recycle coordinator``."""
+
+    nnodes: int
+    nproc: int
+    """Ranks per node."""
+    host: str
+    port: int
+    """0: any free port (one node)."""
+    token: str
+    node_lease: float = 5.0
+    heartbeat: HeartbeatPolicy = field(default_factory=HeartbeatPolicy)
+    status_port: int | None = None
+    local_node: int | None = 0
+    """The node whose agent runs this host (its ranks are killed here, not by kill orders); None
+    for a standalone ``ds-recycle coordinator``."""
+    check_in_timeout: float = 600.0
+    """How long :meth:`CoordinatorHost.first_generation` waits for every node's agent."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc
+
+
+class CoordinatorHost:
+    """The store and the coordinator of one job, one generation after the other."""
+
+    def __init__(
+        self,
+        config: HostConfig,
+        log: Callable[[str], None],
+        emit: Callable[..., None],
+        kill: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.config = config
+        self._log, self._emit = log, emit
+        self._kill = kill or _no_local_ranks
+        self._server = None
+        self._root = None
+        self._store = None
+        """A client under the running generation's prefix."""
+        self.coordinator: Coordinator | None = None
+        self.status: StatusServer | None = None
+        self.generation: int | None = None
+
+    # ---- the store -------------------------------------------------------------------------------
+
+    def listen(self) -> tuple[str, int]:
+        import torch.distributed as dist
+
+        config = self.config
+        self._server = dist.TCPStore(
+            config.host, config.port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+        )
+        self._root = proto.connect(self.address, None, timeout=30.0)
+        self._log(f"store listening on {config.host}:{self._server.port}")
+        self._emit("store", host=config.host, port=self._server.port)
+        return config.host, self._server.port
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self._server.port}"
+
+    # ---- the generation --------------------------------------------------------------------------
+
+    def first_generation(self, local_last: int = -1) -> int:
+        """Wait until every other node's agent has checked in (bounded by ``check_in_timeout``);
+        the generation to run is the highest one any of them ran, plus one (0 for a fresh job)."""
+        config = self.config
+        remote = [k for k in range(config.nnodes) if k != config.local_node]
+        lasts = {config.local_node: local_last} if config.local_node is not None else {}
+        deadline = time.monotonic() + config.check_in_timeout
+        logged = False
+        while True:
+            for node in remote:
+                if node not in lasts:
+                    check_in = self._read_check_in(node)
+                    if check_in is not None:
+                        lasts[node] = check_in.last_generation
+            missing = [k for k in remote if k not in lasts]
+            if not missing:
+                break
+            if time.monotonic() > deadline:
+                raise NodesMissing(
+                    f"nodes {missing} did not check in within {config.check_in_timeout:g} s: is an agent "
+                    f"(ds-recycle launch --node-rank K) running for each, with this job's token and endpoint?"
+                )
+            if not logged and remote:
+                logged = True
+                self._log(f"waiting up to {config.check_in_timeout:g} s for the agents of nodes {missing}")
+            time.sleep(CHECK_IN_POLL_SECONDS)
+        generation = max(lasts.values(), default=-1) + 1
+        if generation > 0:
+            ran = {k: g for k, g in sorted(lasts.items()) if g >= 0}
+            self._log(
+                f"the agents ran generations {ran} before: this coordinator runs generation {generation}, "
+                "whose ranks resume from the latest checkpoint"
+            )
+        return generation
+
+    def _read_check_in(self, node: int) -> CheckIn | None:
+        key = proto.check_in_key(node)
+        if not self._root.check([key]):
+            return None
+        check_in = CheckIn.from_json(self._root.get(key))
+        if check_in.node == node and hmac.compare_digest(check_in.token.encode(), self.config.token.encode()):
+            return check_in
+        self._log(f"refused the check-in of node {node}: wrong token")
+        self._emit("refused_check_in", node=node)
+        self._root.delete_key(key)
+        return None
+
+    def start(self, generation: int, local_domain: str = "") -> Coordinator:
+        """Write generation ``generation``'s keys, then ``generation``, and start its coordinator."""
+        config = self.config
+        if self.coordinator is not None:
+            self.coordinator.stop()
+        n = config.world_size
+        store = proto.connect(self.address, generation, timeout=30.0)
+        store.set(proto.WORLD_SIZE, str(n))
+        store.set(proto.epoch_key(0), Membership(0, tuple(range(n)), 0).to_json())
+        store.set(proto.PENDING, proto.changes_to_json([]))
+        store.set(proto.CURRENT_EPOCH, "0")
+        if config.local_node is not None:
+            store.set(proto.domain_key(config.local_node), local_domain)
+        self._root.set(proto.GENERATION, str(generation))
+        self.generation, self._store = generation, store
+        host, _, port = self.address.rpartition(":")
+        self.coordinator = Coordinator(
+            host,
+            int(port),
+            generation,
+            n,
+            config.token,
+            log=self._log,
+            kill=self._kill,
+            policy=config.heartbeat,
+            nodes=NodeLayout(config.nnodes, config.nproc, config.node_lease),
+            events=self._emit,
+            local_node=config.local_node,
+        )
+        self.coordinator.start()
+        self._serve_status(generation)
+        return self.coordinator
+
+    def _serve_status(self, generation: int) -> None:
+        config = self.config
+        if config.status_port is None:
+            return
+        if self.status is not None:
+            self.status.stop()
+        self.status = StatusServer(
+            self.address, generation, config.host, config.status_port, config.nproc, config.nnodes
+        )
+        self.status.start()
+        self._log(f"status page at http://{config.host}:{self.status.port}/ (JSON: /status.json)")
+
+    # ---- the end ---------------------------------------------------------------------------------
+
+    def restart_requested(self) -> bool:
+        """A rank of this generation asked for a restart of the job from its checkpoint."""
+        codes = self.coordinator.exit_codes if self.coordinator is not None else {}
+        return proto.RESTART_EXIT_CODE in codes.values()
+
+    def nodes_ended(self) -> dict[int, int | None] | None:
+        """Once every remote node's agent has ended: its exit code (None for one that died: its
+        lease lapsed without an end written). None while one is still running, or before any
+        has renewed a lease in this generation."""
+        store = self._store
+        ended: dict[int, int | None] = {}
+        seen = False
+        now = time.time()
+        for node in range(self.config.nnodes):
+            if node == self.config.local_node:
+                continue
+            if store.check([proto.ended_key(node)]):
+                ended[node] = int(store.get(proto.ended_key(node)))
+                seen = True
+                continue
+            if not store.check([proto.lease_key(node)]):
+                return None
+            seen = True
+            if now - Lease.from_json(store.get(proto.lease_key(node))).time <= self.config.node_lease:
+                return None
+            ended[node] = None
+        return ended if seen else None
+
+    def stop(self) -> None:
+        if self.coordinator is not None:
+            self.coordinator.stop()
+        if self.status is not None:
+            self.status.stop()
+
+
+def serve(
+    config: HostConfig,
+    log: Callable[[str], None],
+    emit: Callable[..., None],
+    timeout: float | None = None,
+    stop_signal: Callable[[], int | None] = lambda: None,
+) -> int:
+    """``ds-recycle coordinator``: host the job until every node's agent has ended; 0 iff every one
+    ended 0, 124 at ``timeout``, 128 + signal when ``stop_signal()`` names one, else 1."""
+    host = CoordinatorHost(config, log, emit)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        host.listen()
+        generation = host.first_generation()
+        host.start(generation)
+        log(f"generation {generation} started: {config.nnodes} nodes x {config.nproc} ranks")
+        while True:
+            time.sleep(CHECK_IN_POLL_SECONDS)
+            received = stop_signal()
+            if received is not None:
+                log(f"got {signal.Signals(received).name}: the coordinator ends (the agents fence their ranks)")
+                return 128 + received
+            if deadline is not None and time.monotonic() >= deadline:
+                log(f"timeout after {timeout:g} s: the coordinator ends")
+                return TIMEOUT_EXIT_CODE
+            if host.restart_requested() and host.coordinator.all_ended():
+                generation += 1
+                log(f"restarting every rank from the checkpoint (generation {generation})")
+                emit("restarting", generation=generation)
+                host.start(generation)
+                continue
+            ended = host.nodes_ended()
+            if ended is None:
+                continue
+            died = sorted(node for node, code in ended.items() if code is None)
+            failed = sorted(node for node, code in ended.items() if code not in (0, None))
+            if not died and not failed:
+                log("job finished: every node's agent exited 0")
+                return 0
+            log(f"job ended: nodes {failed} exited non-zero, nodes {died} are gone (their leases lapsed)")
+            return FAILURE_EXIT_CODE
+    except NodesMissing as missing:
+        log(str(missing))
+        return FAILURE_EXIT_CODE
+    finally:
+        host.stop()
+
+
+def _no_local_ranks(slot: int, incarnation: int) -> None:
+    raise AssertionError(f"a standalone coordinator has no local rank to kill (slot {slot})")
