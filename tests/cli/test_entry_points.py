@@ -27,6 +27,11 @@ BAD = {
         (["sweep", "--model", "350M", "-D", "2", "-P", "2", "-m", "4", "--trace", "x"], "--trace"),
         (["trace", "--model", "350M", "-P", "8", "-m", "4", "--trace", "no-such-trace"], "--trace"),
     ],
+    "coordinator": [
+        (["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-endpoint", "h:1"], "--nnodes"),
+        (["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", "h:0"], "--rdzv-endpoint"),
+        (["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", "h:1", "--check-in-timeout", "0"], "--check-in"),
+    ],
     "launch": [
         (["--nproc", "x", "train.py"], "--nproc"),
         (["--nproc", "0", "train.py"], "--nproc"),
