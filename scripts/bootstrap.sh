@@ -11,3 +11,6 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet torch==2.13.0
 .venv/bin/python -m pip install --quiet -e ".[test,hf]"
+# DeepSpeed builds its CPU shared-memory comm op on the first engine start. Build it here, once: a
+# rank killed mid-build (a failure test) would leave the build's lock behind and stall every later rank.
+DS_ACCELERATOR=cpu .venv/bin/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null

@@ -207,6 +207,8 @@ class Coordinator:
     # ---- the launcher's side -------------------------------------------------------------------
 
     def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError(f"the coordinator of generation {self.generation} is running already")
         self._store = proto.connect(f"{self.host}:{self.port}", self.generation, STORE_OP_SECONDS)
         self._pending = proto.read_pending(self._store)
         self._thread = threading.Thread(target=self._run, name=f"recycle-coordinator-{self.generation}", daemon=True)

@@ -327,7 +327,7 @@ class Launcher:
             host, port = self.address
             self.coordinator = self._link_to_coordinator(f"{host}:{port}", self.generation)
             first_incarnation = self.coordinator.node_incarnation - 1
-        self.coordinator.start()
+            self.coordinator.start()  # a host's coordinator was started by host.start
         self.restart_requested = False
         for s in self.slots:
             s.incarnation, s.respawn_at = first_incarnation, None
