@@ -597,8 +597,13 @@ class Coordinator:
                 self._pending.append(Change(len(self._pending), kind, slot, when, detail))
             text = proto.changes_to_json(self._pending)
         self._store.set(proto.PENDING, text)
-        if alert:
-            self._store.add(proto.ALERT, sum(1 for kind, *_ in changes if kind == proto.FAILED))
+        failures = sum(1 for kind, *_ in changes if kind == proto.FAILED)
+        if alert and failures:
+            count = int(self._store.add(proto.ALERT, failures))
+            # One write wakes every failure watcher (each blocks on its own slot's key): no polling.
+            counts = range(count - failures + 1, count + 1)
+            keys = [proto.alert_key(slot, k) for k in counts for slot in range(self.world_size)]
+            self._store.multi_set(keys, ["1"] * len(keys))
 
     def _last_change(self, slot: int) -> Change | None:
         with self._lock:

@@ -20,6 +20,9 @@ current_epoch                   n, advanced by compare_set from n-1             
 request_count, request/<k>      :class:`Request` JSON (k from ``add(request_count,1)``)  anyone
 pending                         JSON list of :class:`Change` (append-only, seq = index)  launcher
 alert                           counter, +1 per failure put in ``pending``             launcher
+alert/<slot>/<k>                set for every slot, in one write, when ``alert`` is k;  launcher
+                                a member's failure watcher blocks on its own next one  (its own
+                                (and sets it to wake itself when it stops)               at stop)
 decision/<n>/<i>                :class:`Decision` for epoch n at the end of iteration i  members
 progress/<n>/<slot>             a survivor's :class:`Progress` after a failure in n     members
 recovery/<n>                    the survivors' :class:`Decision` after a failure in n  members
@@ -117,6 +120,10 @@ class Store(Protocol):
 
     def multi_get(self, keys: list[str]) -> list[bytes]: ...
 
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None: ...
+
+    def delete_key(self, key: str) -> bool: ...
+
 
 def prefix(generation: int) -> str:
     return f"job/{generation}/"
@@ -136,6 +143,11 @@ def recovery_key(epoch: int) -> str:
 
 def progress_key(epoch: int, slot: int) -> str:
     return f"progress/{epoch}/{slot}"
+
+
+def alert_key(slot: int, count: int) -> str:
+    """Set once ``alert`` reached ``count``: what ``slot``'s failure watcher blocks on."""
+    return f"alert/{slot}/{count}"
 
 
 def ready_key(epoch: int) -> str:

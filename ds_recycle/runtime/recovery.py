@@ -194,7 +194,9 @@ class RankRuntime:
         )
 
     def _start_watcher(self) -> None:
-        self.watcher = FailureWatcher(self.agent.connect(), self.agent.failure_concerns_this_rank).start()
+        self.watcher = FailureWatcher(
+            self.agent.connect(), self.engine.slot, self.agent.store, self.agent.failure_concerns_this_rank
+        ).start()
         self.engine.waiter.failed = self.watcher.flag
 
     # ---- one iteration ---------------------------------------------------------------------------

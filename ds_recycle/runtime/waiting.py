@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 from ds_recycle.runtime import exit_guard
 from ds_recycle.runtime import protocol as proto
@@ -36,20 +37,32 @@ class PeerFailure(RuntimeError):
     """A peer failed while this worker was waiting on it (or the coordinator announced a failure)."""
 
 
+WATCH_TIMEOUT_SECONDS = 600.0
+"""The longest single wait of a failure watcher for its next alert key (each timeout logs one c10d
+warning line, so it is long: a stopping watcher wakes itself)."""
+
+
 @dataclass
 class FailureWatcher:
-    """Raises :attr:`flag` when the coordinator's ``alert`` counter moves past ``seen``."""
+    """Raises :attr:`flag` when the coordinator's ``alert`` counter moves past ``seen``.
+
+    It blocks on this slot's next alert key (``alert/<slot>/<seen+1>``), which the coordinator sets
+    for every slot in one write when it publishes a failure: no store operation while nothing fails.
+    """
 
     store: object
-    """Its own store client: a blocking call on a shared client would block the other threads."""
+    """Its own store client: it is blocked in a wait most of the time."""
+    slot: int
+    waker: object
+    """Another client of the store: :meth:`stop` sets this watcher's key with it to wake it."""
     concerns_this_rank: Callable[[object], bool] | None = None
     """Given the watcher's store client: whether the announced failures concern this rank's peers.
     One that does not (a joiner that died before it was admitted) is taken as seen, not raised."""
     seen: int = 0
-    period: float = 0.005
     flag: threading.Event = field(default_factory=threading.Event)
     raised_at: float | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
+    _acknowledged: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     """Orders the watcher's compare-and-raise against :meth:`acknowledge`."""
 
@@ -62,9 +75,17 @@ class FailureWatcher:
         return self
 
     def _run(self) -> None:
-        while not self._stop.wait(self.period):
+        from torch.distributed import DistStoreError
+
+        while not self._stop.is_set():
+            key = proto.alert_key(self.slot, self.seen + 1)
             try:
-                value = int(self.store.add(proto.ALERT, 0))
+                self.store.wait([key], timedelta(seconds=WATCH_TIMEOUT_SECONDS))
+                if self._stop.is_set():
+                    return
+                value = self._count_after(key)
+            except DistStoreError:  # the wait timed out: nothing failed meanwhile
+                continue
             except Exception:  # the launcher (and its store) is gone: the job is over
                 self.raise_flag()
                 return
@@ -77,10 +98,22 @@ class FailureWatcher:
             with self._lock:
                 if value <= self.seen:
                     continue
-                if relevant:
-                    self.raise_flag()
-                else:
+                if not relevant:
                     self.seen = value
+                    continue
+                self._acknowledged.clear()
+                self.raise_flag()
+            self._acknowledged.wait()  # until recovery took it into account (or stop)
+
+    def _count_after(self, key: str) -> int:
+        """The ``alert`` count once ``key`` is set. A key set by an earlier process of this slot
+        (its watcher woke itself at stop) is deleted: then the count is read again, since the
+        coordinator may have set the key for real just before the delete (it counts first)."""
+        value = int(self.store.add(proto.ALERT, 0))
+        if value <= self.seen:
+            self.store.delete_key(key)
+            value = int(self.store.add(proto.ALERT, 0))
+        return value
 
     def raise_flag(self) -> None:
         if not self.flag.is_set():
@@ -89,15 +122,21 @@ class FailureWatcher:
 
     def acknowledge(self, seen: int) -> None:
         """Recovery has taken the first ``seen`` announced failures into account; a later one raises
-        the flag again at the next poll."""
+        the flag again."""
         with self._lock:
             self.seen = seen
             self.flag.clear()
             self.raised_at = None
+            self._acknowledged.set()
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=self.period + 1.0)
+        self._acknowledged.set()
+        try:
+            self.waker.set(proto.alert_key(self.slot, self.seen + 1), "stop")
+        except Exception:  # the store is gone: the watcher's wait fails by itself
+            pass
+        self._thread.join(timeout=1.0)
 
 
 class Waiter:
