@@ -195,6 +195,7 @@ class Coordinator:
         self._missing_since: float | None = None
         self._job_heartbeats = False
         self._last_heartbeat_check = 0.0
+        self._heartbeat_scan_seconds = HEARTBEAT_CHECK_SECONDS
         self._store = None
         self._query = proto.connect(
             f"{host}:{port}", generation, STORE_OP_SECONDS
@@ -279,9 +280,12 @@ class Coordinator:
                     self._release_joins(node)
         self._drain_exits()
         self._poll_requests()
-        if self.policy.enabled and time.monotonic() - self._last_heartbeat_check >= HEARTBEAT_CHECK_SECONDS:
-            self._last_heartbeat_check = time.monotonic()
+        if self.policy.enabled and time.monotonic() - self._last_heartbeat_check >= self._heartbeat_scan_seconds:
+            began = self._last_heartbeat_check = time.monotonic()
             self._check_heartbeats()
+            # A scan reads every member's keys: with thousands of members it takes a while, and the
+            # coordinator must keep most of its time for exits and requests.
+            self._heartbeat_scan_seconds = max(HEARTBEAT_CHECK_SECONDS, 4 * (time.monotonic() - began))
 
     def _drain_exits(self) -> None:
         while True:
@@ -464,13 +468,12 @@ class Coordinator:
             self._log(f"lease checks were delayed {stalled:.1f} s: judging the nodes' leases again from now on")
             self._emit("lease_checks_delayed", seconds=stalled)
             return failed
-        for node in range(self.nodes.count):
-            if node == self.local_node:
+        nodes = [node for node in range(self.nodes.count) if node != self.local_node]
+        leases = proto.read_present(self._store, [proto.lease_key(node) for node in nodes])
+        for node, value in zip(nodes, leases, strict=True):
+            if value is None:
                 continue
-            key = proto.lease_key(node)
-            if not self._store.check([key]):
-                continue
-            lease = Lease.from_json(self._store.get(key))
+            lease = Lease.from_json(value)
             age = now - lease.time
             if age <= limit or (node, lease.node_incarnation) in self._dead_nodes:
                 continue
@@ -537,13 +540,13 @@ class Coordinator:
 
     def _check_heartbeats(self) -> None:
         membership = proto.read_membership(self._store)
+        members = membership.members
+        keys = [proto.iteration_seconds_key(s) for s in members] + [proto.heartbeat_key(s) for s in members]
+        values = proto.read_present(self._store, keys)
+        beats = dict(zip(members, values[len(members) :], strict=True))
         now = time.time()
-        worst_iteration = None
-        for slot in membership.members:
-            key = proto.iteration_seconds_key(slot)
-            if self._store.check([key]):
-                seconds = float(self._store.get(key))
-                worst_iteration = seconds if worst_iteration is None else max(worst_iteration, seconds)
+        published = [float(value) for value in values[: len(members)] if value is not None]
+        worst_iteration = max(published) if published else None
         gaps = [gap for recent in self._gaps.values() for gap in recent]
         timeout = self.policy.timeout(worst_iteration, max(gaps) if gaps else None)
         for slot in membership.members:
@@ -551,8 +554,7 @@ class Coordinator:
                 incarnation = self._incarnations.get(slot)
             if incarnation is None or not incarnation.running or self._out(slot):
                 continue
-            key = proto.heartbeat_key(slot)
-            value = self._store.get(key).decode() if self._store.check([key]) else None
+            value = None if beats[slot] is None else beats[slot].decode()
             if value == proto.HEARTBEAT_STOPPED:
                 continue
             beat = _seconds(value)

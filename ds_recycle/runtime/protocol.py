@@ -234,6 +234,16 @@ def read_membership(store: Store, epoch: int | None = None) -> Membership:
     return Membership.from_json(store.get(epoch_key(epoch)))
 
 
+def read_present(store: Store, keys: list[str]) -> list[bytes | None]:
+    """The values of ``keys`` (None for a missing one): one round trip when all exist (the steady
+    state: a scan of every member's keys), one check per key otherwise."""
+    if not keys:
+        return []
+    if store.check(keys):
+        return list(store.multi_get(keys))
+    return [store.get(key) if store.check([key]) else None for key in keys]
+
+
 def read_pending(store: Store) -> list[Change]:
     if not store.check([PENDING]):
         return []

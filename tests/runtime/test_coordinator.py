@@ -257,3 +257,65 @@ def test_late_heartbeats_raise_the_timeout_instead_of_killing_a_slow_member():
         assert any("(timeout 2." in line for line in h.lines), h.lines
     finally:
         h.coordinator.stop()
+
+
+def _watchers(h: Harness, slots: range) -> list:
+    from ds_recycle.runtime.membership import MembershipAgent
+    from ds_recycle.runtime.waiting import FailureWatcher
+    from ds_recycle.testing.scale import CountingStore
+
+    watchers = []
+    for slot in slots:
+        agent = MembershipAgent(f"127.0.0.1:{h.server.port}", slot, TOKEN, 0, 0)
+        agent.store = agent.connect()
+        agent.current = proto.read_membership(agent.store)
+        client = CountingStore(agent.connect())
+        watchers.append(FailureWatcher(client, slot, agent.store, agent.failure_concerns_this_rank).start())
+    return watchers
+
+
+def _wait(condition, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_failure_watchers_block_without_store_traffic_and_all_wake_on_a_published_failure():
+    h = Harness(HeartbeatPolicy(enabled=False))
+    try:
+        watchers = _watchers(h, range(WORLD))
+        time.sleep(1.0)
+        # The count at start; the one wait each is still blocked (counted when it returns): no polling.
+        assert [w.store.ops for w in watchers] == [1] * WORLD
+        assert not any(w.flag.is_set() for w in watchers)
+        h.coordinator.rank_exited(RankExit(2, 0, -9, time.time()))
+        assert _wait(lambda: all(w.flag.is_set() for w in watchers)), "every watcher wakes on the one alert write"
+        for w in watchers:
+            w.acknowledge(1)
+        time.sleep(0.3)
+        assert not any(w.flag.is_set() for w in watchers), "an acknowledged failure is not raised again"
+        for w in watchers:
+            w.stop()
+            assert not w._thread.is_alive(), "a stopping watcher wakes itself"
+    finally:
+        h.coordinator.stop()
+
+
+def test_a_watcher_key_left_by_a_stopped_process_neither_raises_nor_spins_in_its_successor():
+    h = Harness(HeartbeatPolicy(enabled=False))
+    try:
+        (first,) = _watchers(h, range(1, 2))
+        first.stop()  # sets alert/1/1 to wake itself: no failure behind it
+        assert h.store.check([proto.alert_key(1, 1)])
+        (successor,) = _watchers(h, range(1, 2))
+        time.sleep(0.5)
+        assert not successor.flag.is_set()
+        assert successor.store.ops <= 6, f"{successor.store.ops} store operations: the stale key must not make it spin"
+        h.coordinator.rank_exited(RankExit(3, 0, -9, time.time()))
+        assert _wait(successor.flag.is_set), "the real alert with the same number still wakes it"
+        successor.stop()
+    finally:
+        h.coordinator.stop()

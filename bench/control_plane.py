@@ -1,0 +1,158 @@
+"""The control plane at scale: emulated ranks that speak the real protocol against a real TCPStore.
+
+For each N (G = 8 ranks per node), ``ds_recycle.testing.scale`` starts the store server and the real
+coordinator here, and emulated nodes (a real NodeLink, G real MembershipAgents and FailureWatchers,
+iterations that sleep) in worker processes; every store client counts its operations. Per N:
+
+- steady state: store operations per second (total, per node, the coordinator's share), over a
+  window with no membership change, and the boundary decision latency (from the wall-clock boundary
+  to the last member holding the decision) with the bytes each rank read for it;
+- a process death (a rank of node 1 stops; its node's agent reports the exit as waitpid would):
+  from the death to every survivor holding the recovery decision;
+- a node loss (node 2's agent and ranks stop at once): from the loss to every survivor holding the
+  decision (the lease timeout plus the protocol's part);
+- healthy ranks declared failed (a saturated store delays heartbeats and leases).
+
+    python bench/control_plane.py [--ranks 256 1024 4096 16384] [--workers 8] [--window 5] [--smoke]
+
+The last line: ``control plane at N ranks: process death -> X ms, node loss -> Y ms, steady load Z
+ops/s per node`` for the largest N run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from ds_recycle.testing.scale import Harness, Shape, count_store_operations
+
+PER_NODE = 8
+
+
+def _ops(before, after, seconds: float) -> float:
+    keys = ("get", "set", "add", "compare_set", "check", "wait", "multi_get", "multi_set", "delete_key")
+    return sum(after[k] - before[k] for k in keys) / seconds
+
+
+def _latencies(records, kind: str, epoch: int, since: float) -> list[float]:
+    return sorted(r[4] - since for r in records if r[0] == kind and r[2] == epoch)
+
+
+def _collect(harness: Harness, kind: str, epoch: int, count: int, timeout: float) -> list[tuple]:
+    """Reports until ``count`` ranks recorded ``kind`` for ``epoch`` (or the timeout)."""
+    taken: list[tuple] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        taken.extend(harness.report()[2])
+        if sum(1 for r in taken if r[0] == kind and r[2] == epoch) >= count:
+            break
+    return taken
+
+
+def run(ranks: int, workers: int, window: float, iteration: float, lease: float) -> dict:
+    shape = Shape(ranks // PER_NODE, PER_NODE, iteration, lease)
+    began = time.monotonic()
+    harness = Harness(shape, workers=min(workers, shape.nodes))
+    row = {"ranks": ranks, "nodes": shape.nodes, "start_s": time.monotonic() - began}
+    try:
+        time.sleep(max(2.0, 2 * iteration))
+        coordinator0, nodes0, _ = harness.report()
+        t0 = time.monotonic()
+        time.sleep(window)
+        coordinator1, nodes1, records = harness.report()
+        seconds = time.monotonic() - t0
+        total = _ops(nodes0, nodes1, seconds) + _ops(coordinator0, coordinator1, seconds)
+        row["ops_per_s"] = total
+        row["ops_per_s_per_node"] = total / shape.nodes
+        row["coordinator_ops_per_s"] = _ops(coordinator0, coordinator1, seconds)
+        row["bytes_read_per_s"] = (nodes1["bytes_read"] - nodes0["bytes_read"]) / seconds
+        boundaries: dict[int, list[tuple]] = {}
+        for r in records:
+            if r[0] == "boundary":
+                boundaries.setdefault(r[2], []).append(r)
+        whole = [rs for rs in boundaries.values() if len(rs) == ranks]
+        latest = [max(r[4] - r[3] for r in rs) for rs in whole]
+        row["boundaries_complete"] = f"{len(whole)}/{len(boundaries)}"
+        row["boundary_ms"] = (1000 * statistics.median(latest), 1000 * max(latest)) if latest else None
+        row["boundary_bytes_per_rank"] = statistics.mean(r[5] for r in records if r[0] == "boundary") if records else 0
+
+        harness.command(1, "kill_rank", PER_NODE + 1)
+        survivors = ranks - 1
+        records = _collect(harness, "recovered", 1, survivors, timeout=120.0)
+        killed = next(r[4] for r in records if r[0] == "killed")
+        death = _latencies(records, "recovered", 1, killed)
+        row["death_ms"] = (1000 * statistics.median(death), 1000 * death[-1], len(death)) if death else None
+        row["death_bytes_per_rank"] = statistics.mean(r[5] for r in records if r[0] == "recovered") if death else 0
+        _collect(harness, "entered", 1, survivors, timeout=60.0)
+
+        harness.command(2, "kill_node", 2)
+        survivors -= PER_NODE
+        records = _collect(harness, "recovered", 2, survivors, timeout=120.0 + lease)
+        lost = next(r[4] for r in records if r[0] == "killed_node")
+        node = _latencies(records, "recovered", 2, lost)
+        row["node_ms"] = (1000 * statistics.median(node), 1000 * node[-1], len(node)) if node else None
+        lost_slots = {PER_NODE + 1, *range(2 * PER_NODE, 3 * PER_NODE)}
+        failed = {c.slot for c in harness.coordinator.pending() if c.kind == "failed"}
+        row["declared_hung"] = len(failed - lost_slots)
+    finally:
+        harness.close()
+    return row
+
+
+def _fmt(pair) -> str:
+    if pair is None:
+        return "-"
+    text = f"{pair[0]:.0f} / {pair[1]:.0f}"
+    return text + (f" ({pair[2]})" if len(pair) > 2 else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[256, 1024, 4096, 16384])
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--window", type=float, default=5.0, help="steady-state window, seconds")
+    parser.add_argument("--iteration", type=float, default=1.0, help="emulated iteration time, seconds")
+    parser.add_argument("--lease", type=float, default=10.0, help="node lease timeout, seconds")
+    parser.add_argument("--smoke", action="store_true", help="N = 32 only, short window (the test suite's run)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.ranks, args.workers, args.window = [32], 2, 2.0
+    if any(n % PER_NODE or n < 3 * PER_NODE for n in args.ranks):
+        parser.error(f"--ranks: each N must be a multiple of {PER_NODE}, at least {3 * PER_NODE}")
+    count_store_operations()
+    print(
+        f"{'ranks':>6} {'nodes':>5} {'start s':>7} {'ops/s':>9} {'per node':>8} {'coord':>7} {'boundary ms':>12} "
+        f"{'B/rank':>7} {'death ms (n)':>18} {'B/rank':>7} {'node loss ms (n)':>20} {'hung':>4}"
+    )
+    last = None
+    for n in args.ranks:
+        try:
+            row = run(n, args.workers, args.window, args.iteration, args.lease)
+        except Exception as error:  # report how far it got, go on with the next N
+            print(f"{n:>6} failed: {type(error).__name__}: {error}", flush=True)
+            continue
+        last = row
+        print(
+            f"{row['ranks']:>6} {row['nodes']:>5} {row['start_s']:>7.1f} {row['ops_per_s']:>9.0f} "
+            f"{row['ops_per_s_per_node']:>8.0f} {row['coordinator_ops_per_s']:>7.0f} {_fmt(row['boundary_ms']):>12} "
+            f"{row['boundary_bytes_per_rank']:>7.0f} {_fmt(row['death_ms']):>18} {row['death_bytes_per_rank']:>7.0f} "
+            f"{_fmt(row['node_ms']):>20} {row['declared_hung']:>4}",
+            flush=True,
+        )
+    if last is None:
+        print("control plane: no N could be run")
+        return 1
+    death = "-" if last["death_ms"] is None else f"{last['death_ms'][1]:.0f}"
+    node = "-" if last["node_ms"] is None else f"{last['node_ms'][1]:.0f}"
+    print(
+        f"control plane at {last['ranks']} ranks: process death -> decision {death} ms, node loss -> {node} ms, "
+        f"steady load {last['ops_per_s_per_node']:.0f} ops/s per node"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

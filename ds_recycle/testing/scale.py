@@ -1,0 +1,411 @@
+"""Emulated ranks and node agents that speak the real control-plane protocol, to measure it at scale.
+
+An emulated rank is a trainer's side of the protocol without torch's engine: the real
+:class:`MembershipAgent` (its heartbeat thread, boundary decisions, recovery and the ready barrier)
+and the real :class:`FailureWatcher`, driven by a loop that sleeps through each iteration instead
+of computing. An emulated node is a real :class:`NodeLink` (lease, reports, kill orders). The
+coordinator is the real :class:`Coordinator`, in the harness's process beside the TCPStore server.
+Worker processes host the nodes; in them every store client that ``protocol.connect`` opens is a
+:class:`CountingStore`, so the harness counts exactly the operations the real code makes.
+
+Iteration boundaries fall on wall-clock multiples of the iteration time, the same for every rank, so
+a boundary decision's latency is the time from the boundary to the last member holding it.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import multiprocessing as mp
+import os
+import resource
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from ds_recycle.runtime import protocol as proto
+from ds_recycle.runtime.coordinator import Coordinator, HeartbeatPolicy, NodeLayout, RankExit
+from ds_recycle.runtime.membership import MembershipAgent
+from ds_recycle.runtime.node import NodeLink
+from ds_recycle.runtime.protocol import Membership, Progress
+from ds_recycle.runtime.waiting import FailureWatcher
+
+TOKEN = "scale-harness"
+THREAD_STACK_BYTES = 256 * 1024
+
+
+class CountingStore:
+    """A store client that counts its operations and the bytes it reads (all instances of one
+    process add into :data:`COUNTS`)."""
+
+    def __init__(self, store: proto.Store) -> None:
+        self._store = store
+        self.ops = 0
+        self.bytes_read = 0
+
+    def _count(self, op: str, read: int = 0) -> None:
+        self.ops += 1
+        self.bytes_read += read
+        COUNTS[op] += 1
+        COUNTS["bytes_read"] += read
+
+    def get(self, key: str) -> bytes:
+        value = self._store.get(key)
+        self._count("get", len(value))
+        return value
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._store.set(key, value)
+        self._count("set")
+
+    def add(self, key: str, amount: int) -> int:
+        value = self._store.add(key, amount)
+        self._count("add", 8)
+        return value
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        value = self._store.compare_set(key, expected, desired)
+        self._count("compare_set", len(value))
+        return value
+
+    def check(self, keys: list[str]) -> bool:
+        value = self._store.check(keys)
+        self._count("check", 1)
+        return value
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        try:
+            self._store.wait(keys) if timeout is None else self._store.wait(keys, timeout)
+        finally:
+            self._count("wait")
+
+    def multi_set(self, keys: list[str], values: list[str]) -> None:
+        self._store.multi_set(keys, values)
+        self._count("multi_set")
+
+    def delete_key(self, key: str) -> bool:
+        value = self._store.delete_key(key)
+        self._count("delete_key")
+        return value
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        values = self._store.multi_get(keys)
+        self._count("multi_get", sum(len(v) for v in values))
+        return values
+
+
+COUNTS: collections.Counter = collections.Counter()
+
+
+def _counting_connect(connect):
+    def counted(address: str, generation: int, timeout: float = proto.STORE_TIMEOUT_SECONDS) -> CountingStore:
+        return CountingStore(connect(address, generation, timeout))
+
+    counted.counting = True
+    return counted
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One emulated job: ``nodes`` x ``per_node`` ranks."""
+
+    nodes: int
+    per_node: int
+    iteration_seconds: float
+    lease_seconds: float
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.per_node
+
+
+@dataclass
+class EmulatedRank:
+    """One trainer: the real agent and watcher, an iteration loop that sleeps."""
+
+    agent: MembershipAgent
+    shape: Shape
+    t0: float
+    records: list
+    """(kind, slot, epoch or iteration, since, at, bytes read) tuples, appended by the rank's thread."""
+    stop: threading.Event = field(default_factory=threading.Event)
+    connected: threading.Event = field(default_factory=threading.Event)
+    watcher: FailureWatcher | None = None
+
+    def start(self) -> None:
+        """Start the rank and wait until its three store clients are connected (thousands of
+        simultaneous connects overflow the server's listen backlog: SYN retries take seconds)."""
+        threading.Thread(target=self._run, name=f"rank-{self.agent.slot}", daemon=True).start()
+        if not self.connected.wait(60.0):
+            raise TimeoutError(f"emulated slot {self.agent.slot} did not connect to the store within 60 s")
+
+    def kill(self) -> None:
+        """Like a SIGKILL: the rank's threads stop answering (its heartbeat stops too)."""
+        self.stop.set()
+        self.agent._stop.set()
+        if self.watcher is not None:
+            self.watcher._stop.set()
+
+    def _next_boundary(self) -> float:
+        t = self.shape.iteration_seconds
+        return self.t0 + t * math.ceil((time.time() - self.t0) / t + 1e-9)
+
+    def _run(self) -> None:
+        agent = self.agent
+        agent.store = agent.connect()
+        agent.current = proto.read_membership(agent.store)
+        agent.start_heartbeat()
+        watcher = FailureWatcher(agent.connect(), agent.slot, agent.store, agent.failure_concerns_this_rank)
+        self.watcher = watcher.start()
+        self.connected.set()
+        done = agent.current.iteration
+        while not self.stop.is_set():
+            boundary = self._next_boundary()
+            if self.watcher.flag.wait(max(0.0, boundary - time.time())):
+                if self.stop.is_set():
+                    return
+                done = self._recover(done)
+                if done < 0:
+                    return
+                continue
+            if self.stop.is_set():
+                return
+            done += 1
+            before = agent.store.bytes_read
+            agent.publish_iteration_seconds(self.shape.iteration_seconds)
+            decision = agent.decide(done)
+            self.records.append(("boundary", agent.slot, done, boundary, time.time(), agent.store.bytes_read - before))
+            if decision.next is not None:
+                if agent.slot not in decision.next.members:
+                    return
+                agent.enter(decision.next, self.watcher.flag.is_set, 60.0)
+
+    def _recover(self, done: int) -> int:
+        agent, watcher = self.agent, self.watcher
+        before = agent.store.bytes_read
+        members = agent.current.members
+        decision = agent.recover(Progress(done, False), members, 30.0, 60.0)
+        watcher.acknowledge(agent.failures_applied())
+        held = time.time()
+        epoch = decision.next.epoch
+        self.records.append(("recovered", agent.slot, epoch, watcher.raised_at, held, agent.store.bytes_read - before))
+        if agent.slot not in decision.next.members:
+            return -1
+        agent.enter(decision.next, watcher.flag.is_set, 60.0)
+        self.records.append(("entered", agent.slot, epoch, 0.0, time.time(), 0))
+        return decision.iteration
+
+
+def _worker(address: str, shape: Shape, nodes: list[int], t0: float, commands: mp.Queue, events: mp.Queue) -> None:
+    import torch.distributed  # noqa: F401  (before the threads: ``connect`` imports it lazily)
+
+    threading.stack_size(THREAD_STACK_BYTES)
+    # A process's first connect can take seconds here (a reverse lookup of the client socket's
+    # address times out): take it before any client with a short timeout (a NodeLink's) connects.
+    proto.connect(address, 0, timeout=60.0)
+    count_store_operations()
+    COUNTS.clear()  # forked: the parent's counts are not this process's
+    records: list[tuple] = []
+    threading.excepthook = lambda args: records.append(
+        ("error", args.thread.name, 0, 0.0, time.time(), f"{args.exc_type.__name__}: {args.exc_value}")
+    )
+    ranks: dict[int, EmulatedRank] = {}
+    links: dict[int, NodeLink] = {}
+
+    def shape_node(slot: int) -> int:
+        return slot // shape.per_node
+
+    def kill_rank(slot: int, incarnation: int) -> None:  # a kill order: the coordinator judged it hung
+        if slot in ranks and not ranks[slot].stop.is_set():
+            ranks[slot].kill()
+            records.append(("hung", slot, 0, 0.0, time.time(), 0))
+            links[shape_node(slot)].rank_exited(RankExit(slot, incarnation, -9, time.time()))
+
+    def fence(why: str, slots: range) -> None:
+        records.append(("fenced", slots[0] // shape.per_node, 0, 0.0, time.time(), 0))
+        for slot in slots:
+            if slot in ranks:
+                ranks[slot].kill()
+
+    for node in nodes:
+        slots = range(node * shape.per_node, (node + 1) * shape.per_node)
+        if node > 0:
+            link = _retrying(
+                lambda slots=slots, node=node: NodeLink(
+                    address,
+                    0,
+                    node,
+                    TOKEN,
+                    shape.lease_seconds,
+                    log=lambda line: None,
+                    kill=kill_rank,
+                    fence=lambda why, slots=slots: fence(why, slots),
+                )
+            )
+            link.register()
+            link.start()
+            links[node] = link
+        for slot in slots:
+            agent = MembershipAgent(address=address, slot=slot, token=TOKEN, incarnation=0, generation=0)
+            ranks[slot] = EmulatedRank(agent, shape, t0, records)
+            ranks[slot].start()
+            if node > 0:
+                links[node].rank_started(slot, 0, time.time())
+    events.put(("ready", os.getpid(), len(ranks), 0.0, time.time(), 0))
+    while True:
+        command, argument = commands.get()
+        if command == "report":
+            taken = records[:]
+            del records[: len(taken)]
+            events.put(("report", os.getpid(), dict(COUNTS), 0.0, time.time(), taken))
+        elif command == "kill_rank":  # a process death seen by its node's waitpid
+            killed = time.time()
+            ranks[argument].kill()
+            links[shape_node(argument)].rank_exited(RankExit(argument, 0, -9, killed))
+            records.append(("killed", argument, 0, 0.0, killed, 0))
+        elif command == "kill_node":  # the node and its agent are gone at once
+            killed = time.time()
+            links[argument].stop(timeout=0.0)
+            links[argument]._stop.set()
+            for slot in range(argument * shape.per_node, (argument + 1) * shape.per_node):
+                ranks[slot].kill()
+            records.append(("killed_node", argument, 0, 0.0, killed, 0))
+        elif command == "exit":
+            return
+
+
+def _serve_store(host: str, ports: mp.Queue) -> None:
+    """The TCPStore server, in a process of its own (as on the coordinator's host)."""
+    import torch.distributed as dist
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    ports.put(server.port)
+    threading.Event().wait()
+
+
+def _retrying(make, tries: int = 10):
+    """``make()``, retried on a connect that timed out, as the launcher retries its link (a connect
+    here now and then takes seconds while the server is busy)."""
+    from torch.distributed import DistNetworkError
+
+    for attempt in range(tries):
+        try:
+            return make()
+        except DistNetworkError:
+            if attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+@dataclass
+class Harness:
+    """A TCPStore server and the real coordinator in this process; emulated nodes in ``workers``
+    processes."""
+
+    shape: Shape
+    workers: int
+    host: str = "127.0.0.1"
+    log: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+
+        ctx = mp.get_context("spawn")  # not fork: this process runs the coordinator's threads
+        ports: mp.Queue = ctx.Queue()
+        self.server = ctx.Process(target=_serve_store, args=(self.host, ports), daemon=True)
+        self.server.start()
+        self.port = ports.get(timeout=120.0)
+        self.address = f"{self.host}:{self.port}"
+        n = self.shape.ranks
+        store = proto.connect(self.address, 0, timeout=60.0)
+        store.set(proto.WORLD_SIZE, str(n))
+        store.set(proto.epoch_key(0), Membership(0, tuple(range(n)), 0).to_json())
+        store.set(proto.PENDING, proto.changes_to_json([]))
+        store.set(proto.CURRENT_EPOCH, "0")
+        self.hung: list[str] = []
+        layout = NodeLayout(self.shape.nodes, self.shape.per_node, self.shape.lease_seconds)
+        self.coordinator = Coordinator(
+            self.host,
+            self.port,
+            0,
+            n,
+            TOKEN,
+            log=self.log.append,
+            kill=lambda slot, incarnation: self.hung.append(f"slot {slot}"),
+            policy=HeartbeatPolicy(min_timeout=max(10.0, 3 * self.shape.iteration_seconds)),
+            nodes=layout,
+        )
+        self.coordinator.start()
+        self.events: mp.Queue = ctx.Queue()
+        self.commands = [ctx.Queue() for _ in range(self.workers)]
+        self.t0 = time.time() + 1.0
+        for slot in range(self.shape.per_node):
+            self.coordinator.rank_started(slot, 0, time.time())
+        owners = [list(range(w, self.shape.nodes, self.workers)) for w in range(self.workers)]
+        self.owner = {node: w for w, nodes in enumerate(owners) for node in nodes}
+        self.procs = [
+            ctx.Process(
+                target=_worker, args=(self.address, self.shape, owners[w], self.t0, self.commands[w], self.events)
+            )
+            for w in range(self.workers)
+        ]
+        for proc in self.procs:
+            proc.start()
+        self.pending_events: list[tuple] = []
+        self.wait_for("ready", self.workers, timeout=600.0)
+
+    def wait_for(self, kind: str, count: int, timeout: float) -> list[tuple]:
+        """The next ``count`` events of ``kind`` (other events are kept for later calls)."""
+        found = [e for e in self.pending_events if e[0] == kind][:count]
+        for e in found:
+            self.pending_events.remove(e)
+        deadline = time.monotonic() + timeout
+        while len(found) < count:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{len(found)} of {count} {kind!r} events within {timeout:.0f} s")
+            try:
+                event = self.events.get(timeout=remaining)
+            except Exception:
+                continue
+            if event[0] == kind:
+                found.append(event)
+            else:
+                self.pending_events.append(event)
+        return found
+
+    def report(self) -> tuple[collections.Counter, collections.Counter, list[tuple]]:
+        """The store operations so far of this process (the coordinator's) and of every worker (the
+        nodes'), and the ranks' records since the last report."""
+        for queue in self.commands:
+            queue.put(("report", None))
+        nodes: collections.Counter = collections.Counter()
+        records: list[tuple] = []
+        for event in self.wait_for("report", self.workers, timeout=120.0):
+            nodes.update(event[2])
+            records.extend(event[5])
+        return collections.Counter(COUNTS), nodes, records
+
+    def command(self, node: int, command: str, argument: int) -> None:
+        self.commands[self.owner[node]].put((command, argument))
+
+    def close(self) -> None:
+        for queue in self.commands:
+            queue.put(("exit", None))
+        for proc in self.procs:
+            proc.join(timeout=10.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self.coordinator.stop(timeout=2.0)
+        self.server.kill()
+        self.server.join()
+
+
+def count_store_operations() -> None:
+    """From now on, every store client this process opens through ``protocol.connect`` counts into
+    :data:`COUNTS` (a harness process's own clients: the bench's and its workers')."""
+    if not getattr(proto.connect, "counting", False):
+        proto.connect = _counting_connect(proto.connect)
