@@ -22,7 +22,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MethodType
 
 import torch
@@ -550,14 +550,19 @@ class RecyclePipelineEngine(PipelineEngine):
 
     def _eval_stream(self, micro_batches: int, data: EvalData) -> WorkerStream:
         failed = self.grid.failed
-        key = (failed, micro_batches)
+        costs = self._cost_model()
+        if data.source is None and costs.slow:
+            # Routing around a straggler hands its micro-batches to another pipeline, and eval data
+            # from an iterator holds only its own pipeline's: there a straggler evaluates its own.
+            costs = replace(costs, slow=())
+        key = (failed, micro_batches, costs.slow)
         if key not in self._eval_streams:
             D, P = self.grid.data_parallel_size, self.num_stages
-            if failed or self._cost_model().slow:
-                costs, options = self._cost_model(), self._schedule_options()
+            if failed or costs.slow:
+                options = self._schedule_options()
                 plan = self.plan_cache.get_or_plan(D, P, micro_batches, failed, costs=costs, options=options)
             else:
-                plan = fault_free_plan(D, P, micro_batches, costs=self._cost_model(), options=self._schedule_options())
+                plan = fault_free_plan(D, P, micro_batches, costs=costs, options=self._schedule_options())
             self._eval_streams[key] = lower_forward_only(plan)
         streams = self._eval_streams[key]
         if data.source is None:

@@ -24,7 +24,7 @@ from worker import TokenWindows  # noqa: E402
 
 import ds_recycle  # noqa: E402
 from ds_recycle.config import RecycleConfig  # noqa: E402
-from ds_recycle.data import shipped_corpus_tokens  # noqa: E402
+from ds_recycle.data import TokenWindowProvider, pipeline_iterator, shipped_corpus_tokens  # noqa: E402
 from ds_recycle.models import build_gpt_pipeline  # noqa: E402
 from ds_recycle.testing.tiny import TINY_GPT  # noqa: E402
 
@@ -41,7 +41,8 @@ def run_one(run: dict, pp: int, out: Path) -> None:
     )
     engine.forward_ledger = []
     switch = {int(i): timing for i, timing in run.get("switch", {}).items()}
-    losses, costs, gives, profiles = [], [], [], []
+    provider = TokenWindowProvider(tokens, cfg.seq_len, engine.train_micro_batch_size_per_gpu(), seed=0)
+    losses, costs, gives, profiles, evaluated = [], [], [], [], []
     for i in range(run["steps"]):
         if i in switch:
             timing = RecycleConfig.from_section({"emulate_timing": switch[i]}).emulate_timing
@@ -51,6 +52,12 @@ def run_one(run: dict, pp: int, out: Path) -> None:
         gives.append(dict(engine.plan.extra.get("give", {})))
         last = engine.cost_tracker.last
         profiles.append(None if last is None else dataclasses.asdict(last))
+        if engine.cost_tracker.in_use.slow and not evaluated:
+            # Eval data from an iterator while a straggler is planned around: it holds only this
+            # pipeline's micro-batches, so the straggler must evaluate its own.
+            home = engine.grid.get_data_parallel_id()
+            data = pipeline_iterator(provider, home, engine.gradient_accumulation_steps(), 99)
+            evaluated.append((i, float(engine.eval_batch(data))))
     rank = dist.get_rank()
     (out / run["name"]).mkdir(parents=True, exist_ok=True)
     torch.save(
@@ -62,6 +69,7 @@ def run_one(run: dict, pp: int, out: Path) -> None:
             "ledger": list(engine.forward_ledger),
             "costs": costs,
             "gives": gives,
+            "evaluated": evaluated,
             "profiles": profiles,
             "changes": [dataclasses.asdict(change) for change in engine.cost_changes],
             "events": [tuple(vars(e).values()) for e in engine.instruction_events],

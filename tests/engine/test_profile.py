@@ -138,3 +138,6 @@ def test_a_straggler_is_detected_routed_around_and_released(dumps):
     ledger = [entry for dump in run if tuple(dump["worker"]) == (1, 1) for entry in dump["ledger"]]
     assert any(sum(1 for e in ledger if e[0] == i) < M for i in handed)
     assert_trains_as_reference(dumps["reference"], run)
+    evaluated = [dump["evaluated"] for dump in run]
+    assert all(evaluated), "every rank evaluates (from an iterator) while the straggler is planned around"
+    assert all(torch.isfinite(torch.tensor(loss)) for e in evaluated for _, loss in e)
