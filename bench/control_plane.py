@@ -116,10 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=float, default=5.0, help="steady-state window, seconds")
     parser.add_argument("--iteration", type=float, default=1.0, help="emulated iteration time, seconds")
     parser.add_argument("--lease", type=float, default=10.0, help="node lease timeout, seconds")
-    parser.add_argument("--smoke", action="store_true", help="N = 32 only, short window (the test suite's run)")
+    parser.add_argument("--smoke", action="store_true", help="N = 24 only, one worker, short window (the suite's run)")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.ranks, args.workers, args.window = [32], 2, 2.0
+        args.ranks, args.workers, args.window = [24], 1, 1.0
     if any(n % PER_NODE or n < 3 * PER_NODE for n in args.ranks):
         parser.error(f"--ranks: each N must be a multiple of {PER_NODE}, at least {3 * PER_NODE}")
     count_store_operations()

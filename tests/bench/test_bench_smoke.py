@@ -24,6 +24,7 @@ SMOKE = {
     "multinode.py": ["--smoke"],
     "evaluation.py": ["--smoke"],
     "measured_costs.py": ["--smoke"],
+    "control_plane.py": ["--smoke"],
 }
 MULTIPROCESS = {
     "engine_vs_stock.py",
@@ -32,6 +33,7 @@ MULTIPROCESS = {
     "multinode.py",
     "evaluation.py",
     "measured_costs.py",
+    "control_plane.py",
 }
 TIMEOUT = 300
 
