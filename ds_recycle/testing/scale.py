@@ -302,8 +302,8 @@ def _retrying(make, tries: int = 10):
 
 @dataclass
 class Harness:
-    """A TCPStore server and the real coordinator in this process; emulated nodes in ``workers``
-    processes."""
+    """The real coordinator in this process; the TCPStore server and the emulated nodes (in
+    ``workers`` processes) in processes of their own."""
 
     shape: Shape
     workers: int
@@ -311,7 +311,6 @@ class Harness:
     log: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-
         ctx = mp.get_context("spawn")  # not fork: this process runs the coordinator's threads
         ports: mp.Queue = ctx.Queue()
         self.server = ctx.Process(target=_serve_store, args=(self.host, ports), daemon=True)
@@ -324,7 +323,6 @@ class Harness:
         store.set(proto.epoch_key(0), Membership(0, tuple(range(n)), 0).to_json())
         store.set(proto.PENDING, proto.changes_to_json([]))
         store.set(proto.CURRENT_EPOCH, "0")
-        self.hung: list[str] = []
         layout = NodeLayout(self.shape.nodes, self.shape.per_node, self.shape.lease_seconds)
         self.coordinator = Coordinator(
             self.host,
@@ -333,7 +331,7 @@ class Harness:
             n,
             TOKEN,
             log=self.log.append,
-            kill=lambda slot, incarnation: self.hung.append(f"slot {slot}"),
+            kill=lambda slot, incarnation: None,  # a member judged hung is counted from pending (the bench)
             policy=HeartbeatPolicy(min_timeout=max(10.0, 3 * self.shape.iteration_seconds)),
             nodes=layout,
         )
