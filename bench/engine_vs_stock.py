@@ -27,6 +27,7 @@ from ds_recycle.planner.fault_free import fault_free_plan
 from ds_recycle.planner.list_scheduler import ScheduleOptions
 from ds_recycle.planner.plan import CostModel
 from ds_recycle.runtime.launcher import launch
+from ds_recycle.runtime.preload import PRELOAD_MODULES
 from ds_recycle.testing.tiny import TINY_GPT, ds_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +49,14 @@ def run_engine(name: str, stock: bool, ms: float, steps: int, workdir: Path) -> 
     ]  # fmt: skip
     # The stock run is a plain DeepSpeed job: its ranks do not join a coordinator (ReCycle refuses
     # to run disabled under ds-recycle launch's membership).
-    results = launch(argv, STAGES * PIPELINES, timeout=600, log_dir=workdir / f"{name}-logs", membership=not stock)
+    results = launch(
+        argv,
+        STAGES * PIPELINES,
+        timeout=600,
+        log_dir=workdir / f"{name}-logs",
+        membership=not stock,
+        preload=PRELOAD_MODULES,
+    )
     for r in results:
         if not r.ok:
             sys.stderr.write(r.log[-4000:])

@@ -98,6 +98,7 @@ def run_job(tmp: Path, pp: int, dp: int, m: int, ms: float, evals: int, failed: 
     import torch
 
     from ds_recycle.runtime.launcher import LaunchConfig, Launcher
+    from ds_recycle.runtime.preload import PRELOAD_MODULES
     from ds_recycle.testing.jobs import slot
     from ds_recycle.testing.tiny import ds_config
 
@@ -107,7 +108,8 @@ def run_job(tmp: Path, pp: int, dp: int, m: int, ms: float, evals: int, failed: 
     argv += ["--evals", str(evals), "--victims", *map(str, victims)]
     (tmp / "logs").mkdir(parents=True)
     lines: list[str] = []
-    launcher = Launcher(LaunchConfig(argv=argv, nproc=pp * dp, timeout=600, log_dir=tmp / "logs"), echo=lines.append)
+    config = LaunchConfig(argv=argv, nproc=pp * dp, timeout=600, log_dir=tmp / "logs", preload=PRELOAD_MODULES)
+    launcher = Launcher(config, echo=lines.append)
     if launcher.run() != 0:
         raise SystemExit("the job failed:\n" + "\n".join(lines[-30:]))
     records = [torch.load(path, weights_only=False) for path in sorted(tmp.glob("[0-9]*.pt"))]

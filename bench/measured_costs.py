@@ -46,6 +46,7 @@ import torch
 
 import ds_recycle.testing
 from ds_recycle.runtime.launcher import launch
+from ds_recycle.runtime.preload import PRELOAD_MODULES
 from ds_recycle.testing.jobs import Job, slot
 from ds_recycle.testing.tiny import ds_config
 
@@ -93,7 +94,9 @@ def run_stragglers(sizes: Sizes, workdir: Path) -> list[dict]:
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "runs.json").write_text(json.dumps(runs))
     argv = [str(RUNS_SCRIPT), "--pp", str(sizes.pp), "--runs", str(workdir / "runs.json"), "--out", str(workdir)]
-    results = launch(argv, sizes.pp * sizes.dp, timeout=1800, log_dir=workdir / "logs", membership=False)
+    results = launch(
+        argv, sizes.pp * sizes.dp, timeout=1800, log_dir=workdir / "logs", membership=False, preload=PRELOAD_MODULES
+    )
     for r in results:
         if not r.ok:
             sys.stderr.write(r.log[-4000:])

@@ -8,6 +8,7 @@ the allowed values. Nothing heavy is imported here: torch comes in only when the
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -37,6 +38,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="respawn a rank that keeps failing soon after its start at most N times in a row (default: no cap); "
         "the delay doubles with each such failure",
+    )
+    parser.add_argument(
+        "--preload",
+        action="store_true",
+        help="import torch, deepspeed and ds_recycle.api once and fork every rank from that process: "
+        "a (re)started rank skips seconds of imports",
+    )
+    parser.add_argument(
+        "--preload-module",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="also import MODULE before forking (repeatable; implies --preload), e.g. transformers",
     )
     parser.add_argument("--timeout", type=float, default=None, metavar="S", help="kill everything after S seconds")
     parser.add_argument("--log-dir", default=None, metavar="DIR", help="write rank<R>.log here (default: stdout)")
@@ -76,14 +90,35 @@ def run(args: argparse.Namespace) -> int:
         events=None if args.events is None else Path(args.events),
         host=args.host,
         python=sys.executable,
+        preload=_preload_modules(args),
         heartbeat=coordinator.heartbeat_policy(args),
         grace=args.grace,
     )
     return Launcher(config).run(handle_signals=True)
 
 
+def _preload_modules(args: argparse.Namespace) -> tuple[str, ...]:
+    if not (args.preload or args.preload_module):
+        return ()
+    from ds_recycle.runtime.preload import PRELOAD_MODULES
+
+    return tuple(dict.fromkeys([*PRELOAD_MODULES, *args.preload_module]))
+
+
 def _validate(args: argparse.Namespace, node: nodes.NodeSpec) -> None:
     error = UsageError
+    for module in args.preload_module:
+        if not all(part.isidentifier() for part in module.split(".")):
+            raise error(f"--preload-module {module!r}: must be a dotted module name (e.g. transformers)")
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise error(
+                f"--preload-module {module}: no such module in {sys.executable} "
+                "(expected a module the ranks import, installed in this Python)"
+            )
     if not 1 <= node.nproc_per_node <= MAX_NPROC:
         raise error(f"--nproc {node.nproc_per_node}: must be an integer in 1..{MAX_NPROC}")
     for name in ("respawn_delay", "grace"):

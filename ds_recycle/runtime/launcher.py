@@ -53,6 +53,7 @@ from ds_recycle.runtime import protocol as proto
 from ds_recycle.runtime.coordinator import Coordinator, HeartbeatPolicy, RankExit, describe_returncode
 from ds_recycle.runtime.host import CoordinatorHost, HostConfig, NodesMissing
 from ds_recycle.runtime.node import CoordinatorGone, NodeLink, NodeRefused, await_generation
+from ds_recycle.runtime.preload import PreloadedProcess, Preloader, PreloadError, check_argv, die_with_parent
 from ds_recycle.runtime.protocol import Membership
 
 TIMEOUT_EXIT_CODE = 124
@@ -91,7 +92,6 @@ OTHER_NODES_GRACE_SECONDS = 60.0
 DEFAULT_COORDINATOR_TIMEOUT = 3.0
 START_WAIT_SECONDS = 60.0
 """An agent waits at least this long for the coordinator at the job's start."""
-PR_SET_PDEATHSIG = 1
 
 
 class EventStream:
@@ -180,6 +180,9 @@ class LaunchConfig:
     env: dict[str, str] | None = None
     """Extra environment for the ranks (over os.environ)."""
     python: str = sys.executable
+    preload: tuple[str, ...] = ()
+    """Modules to import once in a :class:`~ds_recycle.runtime.preload.Preloader` that forks every
+    rank (``--preload``); empty: each rank is its own ``python argv...`` (exec)."""
     heartbeat: HeartbeatPolicy = field(default_factory=HeartbeatPolicy)
     grace: float = 5.0
     """Seconds between SIGTERM and SIGKILL when the launcher stops ranks."""
@@ -197,7 +200,7 @@ class LaunchConfig:
 @dataclass
 class _Slot:
     slot: int
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | PreloadedProcess | None = None
     incarnation: int = 0
     returncode: int | None = None
     """The last ended process's code (Popen convention); None while none has ended."""
@@ -243,6 +246,8 @@ class Launcher:
         self.host: CoordinatorHost | None = None
         self._address: tuple[str, int] | None = None
         self.coordinator: Coordinator | NodeLink | None = None
+        self._preloader: Preloader | None = None
+        self._preload_failed = False
 
     # ---- public --------------------------------------------------------------------------------
 
@@ -272,6 +277,8 @@ class Launcher:
                 self.coordinator.stop()
             if self.host is not None:
                 self.host.stop()
+            if self._preloader is not None:
+                self._preloader.close()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
             self.events.close(code)
@@ -372,13 +379,18 @@ class Launcher:
                 if s.running:
                     _killpg(s.proc.pid)
 
-    def _spawn(self, s: _Slot) -> None:
-        config = self.config
-        host, port = self.address
-        env = {**os.environ, **(config.env or {})}
+    def _rank_env(self) -> dict[str, str]:
+        """The environment every rank of this node shares (before its own variables)."""
+        env = {**os.environ, **(self.config.env or {})}
         env.setdefault("DS_ACCELERATOR", "cpu")
         env.setdefault("OMP_NUM_THREADS", "1")
         env.pop("LOCAL_SIZE", None)  # would turn on DeepSpeed's shm all-reduce (66 MB a rank, leaked on SIGKILL)
+        return env
+
+    def _spawn(self, s: _Slot) -> None:
+        config = self.config
+        host, port = self.address
+        env = self._rank_env()
         env.update(
             {
                 "RANK": str(s.slot),
@@ -405,14 +417,17 @@ class Launcher:
             )
             if self.generation > 0:
                 env[proto.ENV_RESUME] = "required"
-        cmd = [config.python, *config.argv]
         started = time.time()
-        options = {"env": env, "start_new_session": True, "preexec_fn": _die_with_parent}
-        if config.log_dir is None:
-            proc = subprocess.Popen(cmd, **options)
-        else:
-            with open(Path(config.log_dir) / f"rank{s.slot}.log", "a") as log:
-                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, **options)
+        log = None if config.log_dir is None else Path(config.log_dir) / f"rank{s.slot}.log"
+        proc = self._fork_preloaded(env, log) if config.preload and not self._preload_failed else None
+        if proc is None:
+            cmd = [config.python, *config.argv]
+            options = {"env": env, "start_new_session": True, "preexec_fn": die_with_parent}
+            if log is None:
+                proc = subprocess.Popen(cmd, **options)
+            else:
+                with open(log, "a") as out:
+                    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, **options)
         with self._procs_lock:
             s.proc = proc
             s.started_at = time.monotonic()
@@ -423,6 +438,24 @@ class Launcher:
         if s.incarnation > 0:
             self.log(f"rank {s.slot} respawned (incarnation {s.incarnation}, generation {self.generation})")
             self.emit("respawned", **who)
+
+    def _fork_preloaded(self, env: dict[str, str], log: Path | None) -> PreloadedProcess | None:
+        """The rank forked from the preloader (started on first use); None (exec instead, with a
+        log line) when the preloader cannot start or fork."""
+        try:
+            if self._preloader is None:
+                check_argv(self.config.argv)
+                began = time.monotonic()
+                self._preloader = Preloader(self.config.python, self.config.preload, self._rank_env())
+                self.log(
+                    f"preloaded {', '.join(self.config.preload)} in {time.monotonic() - began:.1f} s: "
+                    "ranks are forked from it"
+                )
+            return self._preloader.spawn(self.config.argv, env, log, os.getcwd())
+        except PreloadError as error:
+            self.log(f"{error}: starting ranks with exec from now on")
+            self._preload_failed = True
+            return None
 
     # ---- the loop ------------------------------------------------------------------------------
 
@@ -740,6 +773,7 @@ def launch(
     echo: Callable[[str], None] | None = None,
     membership: bool = True,
     events: Path | None = None,
+    preload: tuple[str, ...] = (),
 ) -> list[RankResult]:
     """Run ``python argv...`` as ranks 0..world_size-1 under a :class:`Launcher`.
 
@@ -760,6 +794,7 @@ def launch(
         heartbeat=heartbeat or HeartbeatPolicy(),
         membership=membership,
         events=events,
+        preload=preload,
     )
     launcher = Launcher(config, echo=echo or (lambda line: None))
     launcher.run()
@@ -774,14 +809,6 @@ def free_port() -> int:
 
 def _print(line: str) -> None:
     print(line, flush=True)
-
-
-def _die_with_parent() -> None:
-    """In a rank, before exec: SIGKILL when the agent that started it dies (no orphan outlives
-    its node's agent)."""
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _killpg(pid: int, sig: int = signal.SIGKILL) -> None:

@@ -67,7 +67,7 @@ class Agent(Watched):
         host = network.address(0) if network else "127.0.0.1"
         command += ["--rdzv-endpoint", f"{host}:{port}", "--node-lease", "2", "--respawn"]
         command += ["--respawn-delay", "0.2", "--timeout", "300", "--log-dir", str(logs)]
-        command += ["--events", str(self.events.path), *extra]
+        command += ["--events", str(self.events.path), "--preload", *extra]
         command += [str(WORKER), "--pp", str(job.pp), "--steps", str(job.steps), "--optimizer", "adam"]
         command += ["--config", str(job.tmp / "ds_config.json"), "--out", str(job.out)]
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "DS_RECYCLE_TOKEN": JOB_TOKEN}

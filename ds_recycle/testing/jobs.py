@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ds_recycle.runtime.preload import preloaded_by
 from ds_recycle.testing.launch_events import LaunchEvents
 from ds_recycle.testing.tiny import ds_config
 
@@ -56,6 +57,8 @@ class Job:
     argv: list[str] | None = None
     """Another rank script and its arguments (it writes ``out/progress<slot>`` and honours ``out/hold``)."""
     env: dict[str, str] = field(default_factory=dict)
+    preload: bool = True
+    """Fork the ranks from a preloaded process (``--preload``: seconds less per start); False: exec."""
     lines: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -74,7 +77,7 @@ class Job:
         if self.respawn:
             launcher += ["--respawn", "--respawn-delay", "0.2"]
         launcher += ["--timeout", str(self.timeout), "--log-dir", str(self.tmp / "logs")]
-        launcher += ["--events", str(self.events.path), *self.launcher_args]
+        launcher += ["--events", str(self.events.path), *(["--preload"] if self.preload else []), *self.launcher_args]
         script = self.argv or [
             str(WORKER),
             *("--pp", str(self.pp), "--steps", str(self.steps), "--optimizer", self.optimizer),
@@ -187,13 +190,15 @@ class Job:
     def kill(self) -> None:
         """Kill the launcher, then every rank it started: each rank has a session of its own, so
         the launcher's process group does not hold them. A PID is killed only while its command
-        line still names this job's directory (it is ours, not a recycled PID)."""
+        line still names this job's directory, or this job's launcher as the agent of a preloaded
+        rank (it is ours, not a recycled PID)."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         for pid in self.events.all_pids():
             try:
-                if str(self.out) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+                if str(self.out) in " ".join(command) or preloaded_by(command) == self.proc.pid:
                     os.kill(pid, signal.SIGKILL)
             except (FileNotFoundError, ProcessLookupError, PermissionError):
                 pass

@@ -434,6 +434,12 @@ LAUNCH = Entry(
         Option("--coordinator-wait", bad_seconds(positive=False), st.just("600")),
         Option("--nnodes", st.sampled_from(["0", "1:4", "2:", "x", "-1", "4097", "1.5"]), st.just("1")),
         Option("--log-dir", st.just(BadPath("parent_is_file", "logs")), st.just(OutPath("logs"))),
+        Option(
+            "--preload-module",
+            st.sampled_from(["no_such_module_x", "json.", "a b", "1abc", "ds_recycle.no_such"]),
+            st.just("json"),
+            repeatable=True,
+        ),
     ],
     extra_bad=[launch_bad_script(), launch_no_script()],
     fast_valid=False,

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ds_recycle.runtime.launcher import launch
+from ds_recycle.runtime.preload import PRELOAD_MODULES
 
 WORKER = Path(__file__).with_name("worker.py")
 
@@ -23,6 +24,7 @@ def run_ranks(tmp_path: Path, pp: int, dp: int, runs: list[dict], steps: int = 5
         world_size=pp * dp,
         timeout=timeout,
         log_dir=tmp_path / "logs",
+        preload=PRELOAD_MODULES,
         membership=False,  # the worker runs stock and ReCycle engines in one process: no coordinator
     )
     failed = [r for r in results if not r.ok]

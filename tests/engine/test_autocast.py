@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ds_recycle.runtime.launcher import launch
+from ds_recycle.runtime.preload import PRELOAD_MODULES
 from ds_recycle.testing.tiny import ds_config
 
 pytestmark = pytest.mark.multiprocess
@@ -49,7 +50,12 @@ def dumps(tmp_path_factory) -> dict[str, list[dict]]:
     (tmp / "runs.json").write_text(json.dumps(RUNS))
     args = [str(WORKER), "--pp", str(PP), "--steps", str(STEPS), "--runs", str(tmp / "runs.json"), "--out"]
     results = launch(
-        [*args, str(tmp / "out")], world_size=PP * DP, timeout=300, log_dir=tmp / "logs", membership=False
+        [*args, str(tmp / "out")],
+        world_size=PP * DP,
+        timeout=300,
+        log_dir=tmp / "logs",
+        membership=False,
+        preload=PRELOAD_MODULES,
     )  # stock and ReCycle engines in one process: no coordinator
     failed = [r for r in results if not r.ok]
     if failed:

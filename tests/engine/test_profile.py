@@ -18,6 +18,7 @@ import torch
 
 from ds_recycle.planner.plan import CostModel
 from ds_recycle.runtime.launcher import launch
+from ds_recycle.runtime.preload import PRELOAD_MODULES
 from ds_recycle.testing.tiny import ds_config
 
 pytestmark = pytest.mark.multiprocess
@@ -64,6 +65,7 @@ def dumps(tmp_path_factory) -> dict[str, list[dict]]:
         world_size=PP * DP,
         timeout=240,
         log_dir=tmp / "logs",
+        preload=PRELOAD_MODULES,
         membership=False,
     )
     failed = [r for r in results if not r.ok]

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ds_recycle.runtime.launcher import launch
+from ds_recycle.runtime.preload import PRELOAD_MODULES
 from ds_recycle.testing.tiny import TINY_GPT, ds_config
 
 pytestmark = pytest.mark.multiprocess
@@ -26,7 +27,7 @@ def train(tmp_path: Path, name: str, *extra: str) -> dict[int, dict]:
     argv = [str(ROOT / "examples" / "train_gpt.py"), "--deepspeed_config", str(config), "--steps", "6"]
     argv += [*TINY_GPT.script_args(), "--optimizer", "adam", "--lr", "0.01"]
     argv += ["--pipeline-major", "--dump", str(tmp_path / name), *extra]
-    results = launch(argv, world_size=4, timeout=240, log_dir=tmp_path / f"{name}_logs")
+    results = launch(argv, world_size=4, timeout=240, log_dir=tmp_path / f"{name}_logs", preload=PRELOAD_MODULES)
     assert all(r.ok for r in results), [r.log[-3000:] for r in results if not r.ok]
     return {rank: torch.load(tmp_path / name / f"rank{rank}.pt", weights_only=False) for rank in range(4)}
 

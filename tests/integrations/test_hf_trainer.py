@@ -15,6 +15,10 @@ import pytest
 import torch
 
 from ds_recycle.runtime.launcher import launch
+from ds_recycle.runtime.preload import PRELOAD_MODULES
+
+PRELOAD = (*PRELOAD_MODULES, "transformers")
+"""The ranks import transformers too: preloaded, a respawned rank re-joins seconds sooner."""
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "hf_trainer_llama.py"
@@ -64,7 +68,7 @@ def run_example(
     env = hf_environment(out, wandb) | (env or {})
     with pytest.MonkeyPatch.context() as patch:
         patch.delenv("WANDB_SERVICE", raising=False)  # ranks must start their own wandb-core
-        results = launch(argv, world_size=WORLD, timeout=TIMEOUT, log_dir=out / "logs", env=env)
+        results = launch(argv, world_size=WORLD, timeout=TIMEOUT, log_dir=out / "logs", env=env, preload=PRELOAD)
     for result in results:
         if result.rank in dead:
             assert result.returncode == -9, f"rank {result.rank} exited {result.returncode}:\n{result.log[-4000:]}"

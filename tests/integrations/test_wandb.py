@@ -24,6 +24,7 @@ from ds_recycle.integrations.wandb import (
     without_deepspeed_wandb,
 )
 from ds_recycle.runtime.events import IterationStats, MembershipChange, PlanSummary
+from ds_recycle.runtime.preload import PRELOAD_MODULES
 
 WANDB_ENV = ("WANDB_RUN_ID", "WANDB_RESUME", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_RUN_GROUP", "WANDB_DIR")
 WANDB_ENV += ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL", "NETRC", "DS_RECYCLE_TOKEN")
@@ -373,7 +374,9 @@ def test_killing_the_writer_moves_the_run_to_the_next_lowest_rank(tmp_path, clea
     argv += ["--steps", str(STEPS), "--kill_rank", "0", "--kill_after", str(KILL_AFTER), "--kill_delay", "2"]
     env = {"WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true", "WANDB_CONSOLE": "off", "NETRC": os.environ["NETRC"]}
     env |= {"WANDB_DISABLE_GIT": "true", "WANDB_DISABLE_CODE": "true"}
-    results = launch(argv, world_size=4, timeout=150, log_dir=tmp_path / "logs", env=env)  # no WANDB_MODE, no key
+    results = launch(
+        argv, world_size=4, timeout=150, log_dir=tmp_path / "logs", env=env, preload=PRELOAD_MODULES
+    )  # no WANDB_MODE, no key
     by_rank = {r.rank: r for r in results}
     assert by_rank[0].returncode == -9, by_rank[0].log[-3000:]
     for rank in (1, 2, 3):

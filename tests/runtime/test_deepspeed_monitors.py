@@ -14,6 +14,7 @@ import time
 import pytest
 
 from ds_recycle.runtime.launcher import LaunchConfig, Launcher
+from ds_recycle.runtime.preload import PRELOAD_MODULES
 from ds_recycle.testing.launch_events import LaunchEvents
 from ds_recycle.testing.tiny import ds_config
 
@@ -57,7 +58,8 @@ def test_recycle_events_reach_deepspeeds_csv_monitor_across_the_leaders_death(tm
     events = LaunchEvents(tmp_path / "events.jsonl")
     argv = [str(script), str(tmp_path), json.dumps(config)]
     launcher = Launcher(
-        LaunchConfig(argv=argv, nproc=4, timeout=180, log_dir=tmp_path, events=events.path), echo=lines.append
+        LaunchConfig(argv=argv, nproc=4, timeout=180, log_dir=tmp_path, events=events.path, preload=PRELOAD_MODULES),
+        echo=lines.append,
     )
     killer = threading.Thread(target=_kill_rank_0_at_iteration_3, args=(tmp_path, events), daemon=True)
     killer.start()

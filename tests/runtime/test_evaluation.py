@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from ds_recycle.runtime.launcher import LaunchConfig, Launcher
+from ds_recycle.runtime.preload import PRELOAD_MODULES
 from ds_recycle.testing.tiny import ds_config
 
 pytestmark = pytest.mark.multiprocess
@@ -34,7 +35,9 @@ def job(tmp_path_factory) -> dict[int, dict]:
     argv = [str(WORKER), "--out", str(tmp), "--config", json.dumps(config), "--victim", str(VICTIM)]
     lines: list[str] = []
     (tmp / "logs").mkdir()
-    launcher = Launcher(LaunchConfig(argv=argv, nproc=4, timeout=180, log_dir=tmp / "logs"), echo=lines.append)
+    launcher = Launcher(
+        LaunchConfig(argv=argv, nproc=4, timeout=180, log_dir=tmp / "logs", preload=PRELOAD_MODULES), echo=lines.append
+    )
     code = launcher.run()
     codes = [r.returncode for r in launcher.results()]
     if code != 0 or codes != [0, -9, 0, -9]:

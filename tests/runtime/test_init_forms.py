@@ -11,6 +11,7 @@ import json
 import pytest
 
 from ds_recycle.runtime.launcher import launch
+from ds_recycle.runtime.preload import PRELOAD_MODULES
 from ds_recycle.testing.tiny import ds_config
 
 pytestmark = pytest.mark.multiprocess
@@ -48,7 +49,13 @@ CONFIG = ds_config(2, 0.0, {"enabled": True})
 def run(tmp_path, form: str):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    return launch([str(script), form, json.dumps(CONFIG)], world_size=2, timeout=180, log_dir=tmp_path / "logs")
+    return launch(
+        [str(script), form, json.dumps(CONFIG)],
+        world_size=2,
+        timeout=180,
+        log_dir=tmp_path / "logs",
+        preload=PRELOAD_MODULES,
+    )
 
 
 def test_ds_recycle_init_distributed_trains(tmp_path):

@@ -11,6 +11,7 @@ import pytest
 
 from ds_recycle.engine.routing import CHECK_ENV
 from ds_recycle.runtime.launcher import launch
+from ds_recycle.runtime.preload import PRELOAD_MODULES
 
 pytestmark = pytest.mark.multiprocess
 
@@ -24,6 +25,7 @@ def run_pair(tmp_path: Path, scenario: str, checked: bool) -> list[dict]:
         world_size=2,
         timeout=120,
         log_dir=tmp_path / "logs",
+        preload=PRELOAD_MODULES,
         env={CHECK_ENV: "1" if checked else "0"},
     )
     for result in results:
