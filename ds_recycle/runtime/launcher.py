@@ -163,7 +163,9 @@ class LaunchConfig:
     """This node's failure domain (``--domain``): the ranks refuse a layout in which one domain
     holds every replica of a stage, as they do for one node."""
     status_port: int | None = None
-    """Serve the job's status page on this port of ``host`` (node 0; 0: any free port; None: no page)."""
+    """Serve the job's status page on this port (node 0; 0: any free port; None: no page)."""
+    status_host: str = "127.0.0.1"
+    """The address the status page binds to (loopback unless told otherwise)."""
     membership: bool = True
     """Tell the ranks where the coordinator is (``DS_RECYCLE_STORE``, token, incarnation). Without
     it the ranks see a plain launcher (DeepSpeed's environment only): for scripts that start
@@ -318,6 +320,7 @@ class Launcher:
             node_lease=config.node_lease,
             heartbeat=config.heartbeat,
             status_port=config.status_port,
+            status_host=config.status_host,
             local_node=config.node_rank,
             check_in_timeout=config.coordinator_wait,
         )
@@ -495,6 +498,7 @@ class Launcher:
             if self.restart_requested:
                 if restart_deadline is None:
                     restart_deadline = now + config.restart_grace
+                    self._end_joiners(running)
                 if running and now >= restart_deadline:
                     self.log(f"ranks still running {config.restart_grace:g} s after the restart request: killing them")
                     self._kill_all()
@@ -657,6 +661,19 @@ class Launcher:
             s.quick_failures, s.given_up = [], False
         self._start_generation()
         return None
+
+    def _end_joiners(self, running: list[_Slot]) -> None:
+        """At a restart request: a running rank that is not a member (its join is pending) holds
+        nothing the restart needs and would wait for a boundary that never comes: kill it now
+        rather than after ``restart_grace``."""
+        members = self._membership().members
+        joiners = [s for s in running if s.slot not in members]
+        if joiners:
+            self.log(f"ending ranks {[s.slot for s in joiners]}: joining, not members, before the restart")
+            with self._procs_lock:
+                for s in joiners:
+                    if s.running:
+                        _killpg(s.proc.pid)
 
     def _end_stragglers(self, running: list[_Slot]) -> None:
         """Once finished, a process that is not a member (a joiner nobody will admit) is stopped."""

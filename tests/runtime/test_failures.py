@@ -159,6 +159,8 @@ def test_a_lost_stage_restarts_every_rank_from_the_latest_checkpoint(tmp_path, t
     job = kill_stage_1_of_pp2xdp2(Job(tmp_path, pp, dp, STEPS, config, "adam"), 9)
     assert job.finish() == 0, job.log_tail()
     assert job.count(r"restarting every rank from the checkpoint \(generation 1\)") == 1
+    asked, restarted = job.events.select("restart_requested")[0], job.events.select("restarting")[0]
+    assert restarted["time"] - asked["time"] < 20, "respawned joiners must not hold the restart for restart_grace"
     survivor = (tmp_path / "logs" / f"rank{slot(dp, 0, 0)}.log").read_text()
     assert "stage 1 has no live worker left" in survivor and "Last checkpoint: global_step8" in survivor
     assert survivor.count("resumed from checkpoint global_step8") == 1, survivor[-3000:]
