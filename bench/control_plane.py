@@ -40,15 +40,16 @@ def _latencies(records, kind: str, epoch: int, since: float) -> list[float]:
     return sorted(r[4] - since for r in records if r[0] == kind and r[2] == epoch)
 
 
-def _collect(harness: Harness, kind: str, epoch: int, count: int, timeout: float) -> list[tuple]:
-    """Reports until ``count`` ranks recorded ``kind`` for ``epoch`` (or the timeout)."""
-    taken: list[tuple] = []
+def _collect(
+    harness: Harness, kind: str, epoch: int, count: int, timeout: float, taken: list[tuple] | None = None
+) -> list[tuple]:
+    """Reports until ``count`` ranks recorded ``kind`` for ``epoch`` (or the timeout), counting the
+    records already ``taken`` (each report hands a record over once)."""
+    taken = list(taken or [])
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while sum(1 for r in taken if r[0] == kind and r[2] == epoch) < count and time.monotonic() < deadline:
         time.sleep(0.5)
         taken.extend(harness.report()[2])
-        if sum(1 for r in taken if r[0] == kind and r[2] == epoch) >= count:
-            break
     return taken
 
 
@@ -69,10 +70,10 @@ def run(ranks: int, workers: int, window: float, iteration: float, lease: float)
         row["ops_per_s_per_node"] = total / shape.nodes
         row["coordinator_ops_per_s"] = _ops(coordinator0, coordinator1, seconds)
         row["bytes_read_per_s"] = (nodes1["bytes_read"] - nodes0["bytes_read"]) / seconds
-        boundaries: dict[int, list[tuple]] = {}
+        boundaries: dict[float, list[tuple]] = {}  # by the boundary's wall time: the same on every rank
         for r in records:
             if r[0] == "boundary":
-                boundaries.setdefault(r[2], []).append(r)
+                boundaries.setdefault(round(r[3], 3), []).append(r)
         whole = [rs for rs in boundaries.values() if len(rs) == ranks]
         latest = [max(r[4] - r[3] for r in rs) for rs in whole]
         row["boundaries_complete"] = f"{len(whole)}/{len(boundaries)}"
@@ -86,7 +87,7 @@ def run(ranks: int, workers: int, window: float, iteration: float, lease: float)
         death = _latencies(records, "recovered", 1, killed)
         row["death_ms"] = (1000 * statistics.median(death), 1000 * death[-1], len(death)) if death else None
         row["death_bytes_per_rank"] = statistics.mean(r[5] for r in records if r[0] == "recovered") if death else 0
-        _collect(harness, "entered", 1, survivors, timeout=60.0)
+        _collect(harness, "entered", 1, survivors, timeout=60.0, taken=records)
 
         harness.command(2, "kill_node", 2)
         survivors -= PER_NODE
