@@ -108,7 +108,7 @@ class Preloader:
         command = [python, "-m", MODULE, str(requests_read), str(replies_write), str(os.getpid())]
         self.proc = subprocess.Popen(
             [*command, *modules],
-            env=env,
+            env={"PYTORCH_NVML_BASED_CUDA_CHECK": "1", **env},  # torch.cuda.is_available() without CUDA init
             pass_fds=(requests_read, replies_write),
             stdin=subprocess.DEVNULL,
             preexec_fn=die_with_parent,
@@ -261,6 +261,10 @@ def main() -> None:
     except BaseException as error:  # noqa: BLE001 - reported to the agent, which names it
         os.write(replies, f"importing {module!r} failed: {error!r}\n".encode())
         raise SystemExit(1) from None
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        os.write(replies, b"the preloaded modules initialized CUDA, which a forked rank cannot use\n")
+        raise SystemExit(1)
     os.write(replies, b"ready\n")
     request = _serve(requests, replies)
     if request is None:
