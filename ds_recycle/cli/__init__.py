@@ -3,11 +3,13 @@ COMMAND`` are the same program).
 
 Subcommands are registered in :data:`COMMANDS` (name -> :class:`~ds_recycle.cli.common.Command`):
 ``plan`` (:mod:`ds_recycle.cli.plan`), ``simulate`` (:mod:`ds_recycle.cli.simulate`), ``launch``
-(:mod:`ds_recycle.cli.launch`) and ``coordinator`` (:mod:`ds_recycle.cli.coordinator`). Only
+(:mod:`ds_recycle.cli.launch`), ``coordinator`` (:mod:`ds_recycle.cli.coordinator`) and ``status``
+(:mod:`ds_recycle.cli.status`). Only
 implemented ones are listed, so ``ds-recycle --help`` never advertises something that does not run.
 
 Exit codes: 0 success, 2 bad arguments (argparse's convention, also used for a failure set that
-leaves a stage without survivors: that needs a checkpoint fallback, not a plan).
+leaves a stage without survivors: that needs a checkpoint fallback, not a plan); ``status`` exits 1
+when the job's store does not answer.
 
 A bad argument prints one line, ``ds-recycle COMMAND: error: ...``, naming the argument and the
 allowed values (no usage block, no traceback), and nothing else: every argument, the size limits
@@ -24,7 +26,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ds_recycle.cli import coordinator, launch, plan, simulate
+from ds_recycle.cli import coordinator, launch, plan, simulate, status
 from ds_recycle.cli.common import USAGE_ERROR, Command, Parser, UsageError, store_once
 
 COMMANDS: dict[str, Command] = {
@@ -32,6 +34,7 @@ COMMANDS: dict[str, Command] = {
     "launch": Command(help=launch.HELP, add_arguments=launch.add_arguments, run=launch.run),
     "simulate": Command(help=simulate.HELP, add_arguments=simulate.add_arguments, run=simulate.run),
     "coordinator": Command(help=coordinator.HELP, add_arguments=coordinator.add_arguments, run=coordinator.run),
+    "status": Command(help=status.HELP, add_arguments=status.add_arguments, run=status.run),
 }
 """Every subcommand, in the order ``ds-recycle --help`` lists them."""
 

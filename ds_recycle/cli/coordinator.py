@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -57,7 +58,13 @@ def add_coordination_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="P",
-        help="serve a live status page of the job on port P of the store's host (0: any free port)",
+        help="serve a live, read-only status page of the job on port P of the coordinator's host (0: any free port)",
+    )
+    parser.add_argument(
+        "--status-host",
+        default="127.0.0.1",
+        metavar="ADDR",
+        help="the address the status page binds to (default 127.0.0.1, loopback only; 0.0.0.0: every interface)",
     )
     parser.add_argument(
         "--heartbeat-min-timeout",
@@ -93,6 +100,8 @@ def validate_coordination(args: argparse.Namespace) -> None:
         raise UsageError(f"--heartbeat-factor {args.heartbeat_factor:g}: must be > 0")
     if args.status_port is not None and not 0 <= args.status_port <= 65535:
         raise UsageError(f"--status-port {args.status_port}: must be an integer in 0..65535")
+    if not re.fullmatch(r"[0-9A-Za-z.:\-]{1,253}", args.status_host):
+        raise UsageError(f"--status-host {args.status_host[:60]!r}: must be a host name or an IP address")
     if not args.node_lease > 0:
         raise UsageError(f"--node-lease {args.node_lease:g}: must be > 0 seconds")
     if args.events is not None:
@@ -131,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
         node_lease=args.node_lease,
         heartbeat=heartbeat_policy(args),
         status_port=args.status_port,
+        status_host=args.status_host,
         local_node=None,
         check_in_timeout=args.check_in_timeout,
     )

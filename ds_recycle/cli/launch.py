@@ -82,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         domain=node.domain,
         env={proto.ENV_ALLOW_UNSAFE_PLACEMENT: "1"} if args.allow_unsafe_placement else None,
         status_port=args.status_port,
+        status_host=args.status_host,
         respawn=args.respawn,
         respawn_delay=args.respawn_delay,
         max_restarts=args.max_restarts,

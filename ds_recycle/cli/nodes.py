@@ -290,10 +290,7 @@ def _nnodes(value: str | None, environ: Mapping[str, str]) -> int:
 
 def _endpoint(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, int]:
     if args.rdzv_endpoint is not None:
-        host, _, port = str(args.rdzv_endpoint).rpartition(":")
-        if not host or not port:
-            raise UsageError(f"--rdzv-endpoint {args.rdzv_endpoint}: expected HOST:PORT")
-        return host, _int_in("--rdzv-endpoint port", port, 1, 65535)
+        return parse_endpoint(str(args.rdzv_endpoint))
     host = _first(args.master_addr, "--master-addr", environ, "MASTER_ADDR")
     if host is None and environ.get("SLURM_JOB_NODELIST"):
         hosts = expand_hostlist(environ["SLURM_JOB_NODELIST"])
@@ -302,6 +299,14 @@ def _endpoint(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str
         raise UsageError("several nodes need --rdzv-endpoint HOST:PORT (or --master-addr, MASTER_ADDR, Slurm)")
     port = _first(args.master_port, "--master-port", environ, "MASTER_PORT")
     return str(host[0]), DEFAULT_PORT if port is None else _int_in(port[1], port[0], 1, 65535)
+
+
+def parse_endpoint(text: str, flag: str = "--rdzv-endpoint") -> tuple[str, int]:
+    """``HOST:PORT``; raises UsageError naming ``flag`` and what is expected."""
+    host, _, port = text.rpartition(":")
+    if not host or not port:
+        raise UsageError(f"{flag} {text}: expected HOST:PORT")
+    return host, _int_in(f"{flag} port", port, 1, 65535)
 
 
 def _token(token_file: str | None, environ: Mapping[str, str]) -> str:

@@ -698,6 +698,8 @@ class RecyclePipelineEngine(PipelineEngine):
         self.cost_changes.append(change)
         if self.is_lowest_live_rank():
             self._log_cost_change(change)
+            if self.runtime is not None:
+                self.runtime.publish_status()
 
     def _log_cost_change(self, change: CostChange) -> None:
         plan, ff, nothing = change.predicted, change.fault_free, change.doing_nothing

@@ -60,6 +60,8 @@ class HostConfig:
     node_lease: float = 5.0
     heartbeat: HeartbeatPolicy = field(default_factory=HeartbeatPolicy)
     status_port: int | None = None
+    status_host: str = "127.0.0.1"
+    """The status page's address (loopback unless told otherwise), whatever the store's."""
     local_node: int | None = 0
     """The node whose agent runs this host (its ranks are killed here, not by kill orders); None
     for a standalone ``ds-recycle coordinator``."""
@@ -167,6 +169,7 @@ class CoordinatorHost:
         n = config.world_size
         store = proto.connect(self.address, generation, timeout=30.0)
         store.set(proto.WORLD_SIZE, str(n))
+        store.set(proto.NODES, str(config.nnodes))
         store.set(proto.epoch_key(0), Membership(0, tuple(range(n)), 0).to_json())
         store.set(proto.PENDING, proto.changes_to_json([]))
         store.set(proto.CURRENT_EPOCH, "0")
@@ -198,11 +201,9 @@ class CoordinatorHost:
             return
         if self.status is not None:
             self.status.stop()
-        self.status = StatusServer(
-            self.address, generation, config.host, config.status_port, config.nproc, config.nnodes
-        )
+        self.status = StatusServer(self.address, generation, config.status_host, config.status_port)
         self.status.start()
-        self._log(f"status page at http://{config.host}:{self.status.port}/ (JSON: /status.json)")
+        self._log(f"status page at {self.status.url} (JSON: {self.status.url}status.json)")
 
     # ---- the end ---------------------------------------------------------------------------------
 

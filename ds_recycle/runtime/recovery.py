@@ -34,6 +34,7 @@ import torch
 from ds_recycle.log import logger
 from ds_recycle.runtime import exit_guard, placement, rejoin, reporting
 from ds_recycle.runtime import protocol as proto
+from ds_recycle.runtime.events import MembershipChange
 from ds_recycle.runtime.groups import GROUP_TIMEOUT_SECONDS, RecycleGrid, rebuild_world
 from ds_recycle.runtime.membership import EpochSuperseded, MembershipAgent
 from ds_recycle.runtime.protocol import RESTART_EXIT_CODE, STOP_EXIT_CODE, Decision, Membership, Progress
@@ -97,6 +98,8 @@ class Trainee(Protocol):
     def check_data_available(self) -> None: ...
 
     def record_change(self, change) -> None: ...
+
+    def is_lowest_live_rank(self) -> bool: ...
 
 
 class RankRuntime:
@@ -168,6 +171,8 @@ class RankRuntime:
         self.agent.start_heartbeat()
         self._start_watcher()
         self.agent.install_leave_handler()
+        if self.engine.is_lowest_live_rank():
+            self.publish_status()
         self._enter_phase(Phase.TRAINING)
 
     def join(self) -> None:
@@ -380,6 +385,12 @@ class RankRuntime:
             self.engine, decision, before, time.time() - began, detected=detected, rolled_back=rolled_back
         )
         self.engine.record_change(change)
+        if reporting.is_status_writer(self.engine, before.members):
+            self.publish_status(change)
+
+    def publish_status(self, change: MembershipChange | None = None) -> None:
+        """Write the job's status record (:func:`reporting.publish_status`); called on its one writer."""
+        reporting.publish_status(self.agent.store, self.engine, change)
 
 
 def _is_helper_death(error: RuntimeError) -> bool:

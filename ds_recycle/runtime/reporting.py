@@ -1,8 +1,16 @@
-"""One line and one :class:`~ds_recycle.runtime.events.MembershipChange` per membership change.
+"""One line and one :class:`~ds_recycle.runtime.events.MembershipChange` per membership change,
+and the record of the job that the status page shows.
 
 The line follows DeepSpeed's log format and says, in one place: the epoch, who left, failed or
 joined, the detection latency, the switch time, and the new plan against fault-free and its lower
 bound. The engine hands the change to its monitors on the lowest live rank.
+
+:func:`publish_status` writes the job's :class:`~ds_recycle.runtime.protocol.StatusReport`
+(``status`` in the store): the plan the members run, with its Gantt chart, and the last
+:data:`CHANGES_KEPT` changes. One member writes it: the lowest one that ran the change (a joiner
+does not report its own join), at start, after every change and after every change of the cost
+model. It reads the previous record first and carries its changes over, so the history survives
+the death of whoever wrote it before.
 """
 
 from __future__ import annotations
@@ -11,10 +19,25 @@ import time
 from dataclasses import dataclass
 
 from ds_recycle.log import logger
+from ds_recycle.runtime import protocol as proto
 from ds_recycle.runtime.events import MembershipChange
-from ds_recycle.runtime.protocol import FAILED, JOIN, LEAVE, Decision
+from ds_recycle.runtime.protocol import (
+    FAILED,
+    JOIN,
+    LEAVE,
+    ChangeReport,
+    Decision,
+    GanttOp,
+    PlanReport,
+    StatusReport,
+    Store,
+)
 
 KINDS = (LEAVE, FAILED, JOIN)
+CHANGES_KEPT = 8
+"""Changes the status record keeps (the newest)."""
+GANTT_MAX_OPS = 2048
+"""Ops of the plan the status record holds at most (about 50 KB); a larger plan's last workers are left out."""
 
 
 @dataclass(frozen=True)
@@ -88,3 +111,73 @@ def describe(change: MembershipChange) -> str:
     if change.rolled_back:
         line += ", in-flight iteration rolled back"
     return line
+
+
+def is_status_writer(engine, before_members: tuple[int, ...]) -> bool:
+    """Whether this member writes the status record after a change from ``before_members``: the
+    lowest member of the new epoch that was a member before (a joiner reports nothing)."""
+    survivors = set(before_members) & set(engine.grid.membership.members)
+    return bool(survivors) and engine.slot == min(survivors)
+
+
+def publish_status(store: Store, engine, change: MembershipChange | None = None) -> StatusReport:
+    """Write the job's status record for the plan ``engine`` runs now, with ``change`` appended to
+    the changes of the record in the store."""
+    previous = proto.read_status_report(store)
+    changes = () if previous is None else previous.changes
+    if change is not None:
+        changes = (*changes, change_report(change))
+    report = status_report(engine, changes[-CHANGES_KEPT:])
+    store.set(proto.STATUS, report.to_json())
+    return report
+
+
+def change_report(change: MembershipChange) -> ChangeReport:
+    return ChangeReport(
+        epoch=change.epoch,
+        iteration=change.iteration,
+        left=tuple(change.left),
+        failed=tuple(change.failed),
+        joined=tuple(change.joined),
+        detection_seconds=change.detection_seconds,
+        switch_seconds=change.rebuild_seconds,
+        recovery_seconds=change.recovery_seconds,
+        rolled_back=change.rolled_back,
+        time=change.time,
+    )
+
+
+def status_report(engine, changes: tuple[ChangeReport, ...]) -> StatusReport:
+    grid, plan = engine.grid, engine.plan
+    summary = engine.plan_summary()
+    gantt: list[GanttOp] = []
+    total = sum(len(ops) for ops in plan.workers.values())
+    for (p, s), ops in sorted(plan.workers.items()):
+        if len(gantt) + len(ops) > GANTT_MAX_OPS:
+            break
+        gantt += [GanttOp(p, s, op.kind, op.home, op.mb, round(op.start, 3), round(op.end, 3)) for op in ops]
+    plan_report = PlanReport(
+        plan_id=summary.plan_id,
+        unit="ms" if engine.cost_tracker.measured else "cost units",
+        failed=tuple(summary.failed),
+        slow=tuple(plan.costs.slow),
+        predicted_iteration_time=summary.predicted_iteration_time,
+        fault_free_iteration_time=summary.fault_free_iteration_time,
+        lower_bound=summary.lower_bound,
+        rerouted_microbatches=summary.rerouted_microbatches,
+        gantt=tuple(gantt),
+        gantt_omitted=total - len(gantt),
+    )
+    return StatusReport(
+        epoch=grid.membership.epoch,
+        iteration=engine.global_steps,
+        pipelines=grid.data_parallel_size,
+        stages=grid.pipe_parallel_size,
+        microbatches=plan.microbatches,
+        samples_per_iteration=engine.train_batch_size(),
+        workers=tuple(grid.worker_of(slot) for slot in range(grid.topo.world_size())),
+        plan=plan_report,
+        changes=changes,
+        writer=engine.slot,
+        time=time.time(),
+    )

@@ -44,6 +44,8 @@ class Job:
     config: dict
     optimizer: str = "adam"
     respawn: bool = True
+    respawn_delay: float = 0.2
+    """``--respawn-delay``: seconds from a rank's end to its respawn."""
     timeout: float = 240.0
     traps: list[str] = field(default_factory=list)
     """``SLOT:POINT:ITERATION``: where a rank parks for the test's signal (ds_recycle.testing.faults)."""
@@ -75,7 +77,7 @@ class Job:
     def start(self) -> Job:
         launcher = [sys.executable, "-m", "ds_recycle.cli", "launch", "--nproc", str(self.pp * self.dp)]
         if self.respawn:
-            launcher += ["--respawn", "--respawn-delay", "0.2"]
+            launcher += ["--respawn", "--respawn-delay", str(self.respawn_delay)]
         launcher += ["--timeout", str(self.timeout), "--log-dir", str(self.tmp / "logs")]
         launcher += ["--events", str(self.events.path), *(["--preload"] if self.preload else []), *self.launcher_args]
         script = self.argv or [

@@ -483,6 +483,39 @@ COORDINATOR = Entry(
         Option("--heartbeat-min-timeout", bad_seconds(positive=False), st.just("1")),
         Option("--heartbeat-factor", bad_seconds(positive=True), st.just("3")),
         Option("--status-port", bad_ints(0, 65535), st.just("0")),
+        Option("--status-host", st.sampled_from(["", "a b", "h/x", "x" * 300, "<h>"]), st.just("127.0.0.1")),
+    ],
+    fast_valid=False,
+)
+
+
+# ----- ds-recycle status ------------------------------------------------------------------------
+#
+# A valid status connects to a job's store (tests/runtime/test_status_page.py runs it against real
+# jobs), so only bad inputs are fuzzed: each is refused before any connection.
+
+
+@st.composite
+def status_valid(draw) -> Args:
+    args: Args = [("--rdzv-endpoint", draw(st.sampled_from(["127.0.0.1:1", "localhost:29500", "[::1]:2"])))]
+    if draw(st.booleans()):
+        args.append(("--timeout", draw(st.sampled_from(["0.5", "5"]))))
+    if draw(st.booleans()):
+        args.append(("--json", None))
+    return draw(st.permutations(args))
+
+
+STATUS = Entry(
+    command="status",
+    valid=status_valid(),
+    options=[
+        Option(
+            "--rdzv-endpoint",
+            st.sampled_from(["", "host", ":1", "h:", "h:0", "h:65536", "h:x", "a b:1", "h/x:1", "h:1.5", "h:-1"]),
+            st.just("127.0.0.1:1"),
+            required=True,
+        ),
+        Option("--timeout", bad_floats(0, 3600, low_open=True), st.just("5")),
     ],
     fast_valid=False,
 )
@@ -676,7 +709,13 @@ SIMULATE = Entry(
 
 # ----- the table --------------------------------------------------------------------------------
 
-ENTRIES: dict[str, Entry] = {"plan": PLAN, "launch": LAUNCH, "simulate": SIMULATE, "coordinator": COORDINATOR}
+ENTRIES: dict[str, Entry] = {
+    "plan": PLAN,
+    "launch": LAUNCH,
+    "simulate": SIMULATE,
+    "coordinator": COORDINATOR,
+    "status": STATUS,
+}
 """One entry per subcommand of ``ds_recycle.cli.COMMANDS``."""
 
 

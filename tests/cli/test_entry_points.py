@@ -32,6 +32,11 @@ BAD = {
         (["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", "h:0"], "--rdzv-endpoint"),
         (["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", "h:1", "--check-in-timeout", "0"], "--check-in"),
     ],
+    "status": [
+        (["--rdzv-endpoint", "h"], "--rdzv-endpoint"),  # the command
+        (["--rdzv-endpoint", "h:1", "--timeout", "0"], "--timeout"),  # argparse
+        ([], "--rdzv-endpoint"),
+    ],
     "launch": [
         (["--nproc", "x", "train.py"], "--nproc"),
         (["--nproc", "0", "train.py"], "--nproc"),
