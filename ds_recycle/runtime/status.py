@@ -488,15 +488,16 @@ def gantt_svg(status: JobStatus) -> str:
         y = y_of.get((op.pipeline, op.stage))
         if y is None:
             continue
-        x, w = left + op.start * scale, max(1.0, (op.end - op.start) * scale)
+        x, w = left + op.start * scale, max(2.0, (op.end - op.start) * scale)
         if op.kind == "S":
-            fill, opacity = "#000", 1.0
+            fill, opacity, stroke = "#000", 1.0, "none"
         else:
             fill, opacity = PIPELINE_COLOURS[op.home % len(PIPELINE_COLOURS)], OP_OPACITY.get(op.kind, 1.0)
+            stroke = "#fff"
         label = f"{op.kind}{op.home}.{op.mb}" if op.kind != "S" else "S"
         out.append(
             f"<rect x={x:.1f} y={y + 2} width={w:.1f} height={height - 4} fill='{fill}' "
-            f"fill-opacity={opacity} stroke='#fff'>"
+            f"fill-opacity={opacity} stroke='{stroke}'>"
             f"<title>{label} on ({op.pipeline}, {op.stage}): {op.start:g}-{op.end:g} {plan.unit}</title></rect>"
         )
     axis = height * len(rows) + 18
