@@ -19,7 +19,14 @@ at most ``2P``). Per case: the lower bound, which of its three bounds binds, the
 iteration time and ratio, and the MILP's where small enough; the summary gives the geometric mean
 and the worst ratio against the goals of issue 8 item 6 (at most 1.02 and 1.10).
 
-    python bench/planner.py [--quick | --smoke] [--grid all|uniform|presets] [--time-limit 5]
+A third table plans at the scale of issue 18 item 6 (:func:`scale_cases`: up to D = 128, P = 16,
+m = 32, unit costs, one and two failures), before (``plan_heuristic(..., scale=False)``: every
+pipeline scheduled, the preferred candidates first, as the planner did before) and after (the
+default: only the touched pipelines and one stand-in for the rest, the deep candidates first), with
+solve time (wall and CPU seconds) and ratio to the lower bound per row, against D P m. Every plan
+of the table is validated.
+
+    python bench/planner.py [--quick | --smoke] [--grid all|uniform|presets|scale] [--time-limit 5]
         [--milp-max-ops 400] [--no-milp]
 """
 
@@ -340,6 +347,75 @@ def summarize_preset_grid(rows: list[PresetRow], args: argparse.Namespace) -> No
     )
 
 
+# ----- planning at scale (issue 18 item 6) --------------------------------------------------------
+
+GOAL_SCALE_SECONDS, GOAL_SCALE_RATIO = 0.5, 1.01
+"""Issue 18 item 6, at D = 128, P = 16, m = 32: a plan in at most 0.5 s, at most 1.01 of the bound."""
+
+
+def scale_cases(args: argparse.Namespace) -> list[tuple[int, int, int, tuple[Worker, ...]]]:
+    """(D, P, m, failed): one failure (pipeline 3, stage 5P/16) and two (plus pipeline 77 mod D,
+    stage 9P/16), at D P m from 2,048 to 65,536 (the issue's own two commands among them)."""
+    if args.smoke:
+        topologies = [(8, 4, 8)]
+    elif args.quick:
+        topologies = [(16, 8, 16), (32, 16, 32)]
+    else:
+        topologies = [(8, 8, 32), (16, 16, 16), (32, 16, 32), (32, 16, 64), (64, 16, 32), (128, 8, 32), (128, 16, 32)]
+    cases = []
+    for D, P, m in topologies:
+        one = (3 % D, 5 * P // 16)
+        two = (77 % D if 77 % D != one[0] else (one[0] + 1) % D, 9 * P // 16)
+        cases += [(D, P, m, (one,)), (D, P, m, tuple(sorted((one, two))))]
+    return cases
+
+
+def timed_plan(D: int, P: int, m: int, failed: tuple[Worker, ...], scale: bool) -> tuple[Plan, float, float]:
+    """The plan, and the wall and CPU seconds ``plan_heuristic`` took."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    plan = plan_heuristic(D, P, m, failed, scale=scale)
+    return plan, time.perf_counter() - wall, time.process_time() - cpu
+
+
+SCALE_HEADER = (
+    f"{'D':>3} {'P':>2} {'m':>3} {'D*P*m':>6} {'failed (p:s)':<11} {'LB':>5}  "
+    f"{'before':>6} {'wall':>6} {'cpu':>6}  {'after':>6} {'wall':>6} {'cpu':>6}  {'x':>5}  candidate"
+)
+
+
+def run_scale_table(args: argparse.Namespace) -> None:
+    print()
+    print("== planning at scale (issue 18 item 6): unit costs, default memory cap P ==")
+    print(SCALE_HEADER)
+    print(
+        "before/after: iteration time / lower bound of plan_heuristic(scale=False) and of the default; wall/cpu: "
+        "solve seconds; x: before / after CPU"
+    )
+    headline: list[tuple[float, float]] = []
+    for D, P, m, failed in scale_cases(args):
+        before, before_wall, before_cpu = timed_plan(D, P, m, failed, scale=False)
+        after, after_wall, after_cpu = timed_plan(D, P, m, failed, scale=True)
+        for plan in (before, after):
+            validate(plan, streams=3 * D * P * m <= 20_000)
+        print(
+            f"{D:>3} {P:>2} {m:>3} {D * P * m:>6} {failed_cell(failed):<11} {after.lower_bound:5.0f}  "
+            f"{before.ratio:6.3f} {before_wall:5.2f}s {before_cpu:5.2f}s  "
+            f"{after.ratio:6.3f} {after_wall:5.2f}s {after_cpu:5.2f}s  {before_cpu / max(after_cpu, 1e-9):5.1f}  "
+            f"{after.extra['candidate']}",
+            flush=True,
+        )
+        if (D, P, m) == (128, 16, 32):
+            headline.append((after_cpu, after.ratio))
+    if headline:
+        seconds, ratio = max(c for c, _r in headline), max(r for _c, r in headline)
+        fast, close = seconds <= GOAL_SCALE_SECONDS, ratio <= GOAL_SCALE_RATIO
+        print(
+            f"goals at D=128 P=16 m=32: <= {GOAL_SCALE_SECONDS} s: {'met' if fast else 'NOT met'} "
+            f"(worst CPU {seconds:.2f} s); <= {GOAL_SCALE_RATIO} of the bound: {'met' if close else 'NOT met'} "
+            f"(worst {ratio:.3f})"
+        )
+
+
 def run_uniform_grid(args: argparse.Namespace) -> None:
     """The grid on unit costs, its summary, the cache hits and the ablation."""
     print(HEADER)
@@ -416,9 +492,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--grid",
-        choices=("all", "uniform", "presets"),
+        choices=("all", "uniform", "presets", "scale"),
         default="all",
-        help="uniform costs (with the cache and ablation figures), preset costs, or both (default)",
+        help="uniform costs (with the cache and ablation figures), preset costs, the scale table, or all (default)",
     )
     args = parser.parse_args(argv)
 
@@ -427,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
         run_uniform_grid(args)
     if args.grid in ("all", "presets"):
         summarize_preset_grid(run_preset_grid(args), args)
+    if args.grid in ("all", "scale"):
+        run_scale_table(args)
     print(f"bench wall time {time.perf_counter() - began:.1f} s")
     return 0
 

@@ -14,17 +14,23 @@
    memory cap for overloaded survivors) and in whether a W that frees memory for a waiting F
    jumps the queue. The best by iteration time wins (ties: the earlier candidate); reaching the
    lower bound stops the search. The number of candidates shrinks with the problem size
-   (``budget_ops``) so that D=8, P=8, m=32 still plans in well under a second.
+   (``budget_ops``) so that D=8, P=8, m=32 still plans in well under a second; where only the
+   minimum of two fits, the deep warm-up candidates (:data:`DEEP_FIRST`) go first.
+   Each candidate schedules only the pipelines its assignment touches plus one untouched
+   pipeline standing for the others (:mod:`symmetry`), which is what makes D = 128 affordable.
 4. The winner is re-timed as soon as possible in its order (:func:`retime`) and its steady-state
-   period is measured by the simulator.
+   period is measured by the simulator, both on the reduced problem; the untouched pipelines get
+   copies of the stand-in's ops.
 """
 
 from __future__ import annotations
 
+import gc
 import itertools
 import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import replace
 
 from ds_recycle.planner.list_scheduler import (
@@ -34,10 +40,11 @@ from ds_recycle.planner.list_scheduler import (
     list_schedule,
 )
 from ds_recycle.planner.lower_bound import bound_parts
-from ds_recycle.planner.normalize import canonical, invert, relabel
+from ds_recycle.planner.normalize import canonical, invert
 from ds_recycle.planner.plan import CostModel, Op, Plan, Worker
 from ds_recycle.planner.request import PlanRequest
 from ds_recycle.planner.simulate import retime_and_simulate
+from ds_recycle.planner.symmetry import Reduction
 
 POLICIES: dict[str, SchedulePolicy] = {
     "zb": SchedulePolicy(),
@@ -71,8 +78,35 @@ POLICIES: dict[str, SchedulePolicy] = {
         extra_warmup=1,
     ),
     "heavy+f0+own": SchedulePolicy(heavy_warmup=True, forward_first_stage0=True, own_first=True),
+    "deep": SchedulePolicy(
+        forward_first=True,
+        forward_first_stage0=True,
+        heavy_warmup=True,
+        unblock_memory=True,
+        own_first=True,
+        fill_only=True,
+        reroute_warmup=3,
+    ),
+    "deep+ffirst": SchedulePolicy(
+        forward_first=True,
+        forward_first_stage0=True,
+        heavy_warmup=True,
+        unblock_memory=True,
+        own_first=True,
+        reroute_warmup=3,
+    ),
 }
 """Candidate scheduling policies by name."""
+
+DEEP_FIRST: tuple[tuple[str, str], ...] = (("rr0", "deep"), ("rr0", "deep+ffirst"))
+"""The pairs tried first when the budget affords only the minimum of two candidates (above
+10,000 ops with the default budget; every grid of ``bench/planner.py`` but its scale table, and
+every plan the engine tests run, is below that): the forward-first order that reaches ZB-H1's
+3m + P - 1 without failures, with a warm-up three micro-batches deeper on every pipeline a
+re-routing feeds, so that a survivor's extra forwards fill its warm-up bubble instead of delaying
+its own backwards (``deep`` lets those extra forwards only fill time no B can use). On D = 128,
+P = 16, m = 32 with one or two failures they land 0.9-1.8% above the lower bound where the first
+two preferred pairs land 2.7-3.6% above it."""
 
 PREFERRED: tuple[tuple[str, str], ...] = (
     ("rr1", "heavy+f0+unblock"),
@@ -110,27 +144,66 @@ def plan_heuristic(
     options: ScheduleOptions = ScheduleOptions(),
     budget_ops: int = DEFAULT_BUDGET_OPS,
     iterations: int = 4,
+    scale: bool = True,
 ) -> Plan:
     """Plan one iteration for the failure set ``failed`` (``(pipeline, stage)`` pairs).
 
     ``memory_cap`` (micro-batches a worker holds between F and W) defaults to ``stages``, the
     peak of stock 1F1B. Raises NoSurvivorError if a stage has no live worker ("needs checkpoint
     fallback") and ValueError for a bad topology, failure or memory cap.
+
+    ``scale``: schedule only the pipelines the failures touch plus one that stands for the others
+    (:mod:`symmetry`; the same plan, op for op), try :data:`DEEP_FIRST` first when the budget
+    affords only two candidates, and pause the garbage collector (:func:`collector_paused`).
+    False plans the way it was done before (``bench/planner.py`` compares the two).
     """
-    began = time.perf_counter()
     request = PlanRequest(pipelines, stages, microbatches, failed, costs, memory_cap, options)
+    if not scale:
+        return _plan(request, budget_ops, iterations, scale)
+    with collector_paused():
+        return _plan(request, budget_ops, iterations, scale)
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block (and back on after, if it was on).
+
+    Planning D = 128, P = 16, m = 32 allocates some 700,000 small tuples, none of them in a
+    reference cycle; the collector traces them all again every few thousand allocations, which
+    took a third of the planning time there."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _plan(request: PlanRequest, budget_ops: int, iterations: int, scale: bool) -> Plan:
+    began = time.perf_counter()
+    options = request.options
     bound = bound_parts(request).value  # raises NoSurvivorError
 
-    D, P = request.pipelines, request.stages
+    P = request.stages
     key, permutation = canonical_labels(request)
-    workers, chosen = _best_schedule(replace(request, failed=key), bound, budget_ops)
-    plan = Plan(D, P, request.microbatches, key, request.costs, request.memory_cap, workers, solver="heuristic")
+    reduction, workers, chosen = _best_schedule(replace(request, failed=key), bound, budget_ops, scale)
+    plan = Plan(
+        reduction.size,
+        P,
+        request.microbatches,
+        reduction.failed(key),
+        request.costs,
+        request.memory_cap,
+        workers,
+        solver="heuristic",
+    )
     plan.extra.update({"decoupled": options.decoupled, "staggered": options.staggered, "candidate": chosen["name"]})
     if chosen.get("give"):
         plan.extra["give"] = {f"{p},{s}": g for (p, s), g in sorted(chosen["give"].items())}
     plan, result = retime_and_simulate(plan, iterations=iterations)
-    plan = relabel(plan, invert(permutation))
-    plan.failed = request.failed
+    workers = reduction.expand(plan.workers, P, invert(permutation))
+    plan = replace(plan, pipelines=request.pipelines, failed=request.failed, workers=workers, extra=dict(plan.extra))
     plan.lower_bound = bound
     plan.steady_state_period = result.steady_state_period
     plan.solve_seconds = time.perf_counter() - began
@@ -155,7 +228,23 @@ def reroute_assignment(
     give: Mapping[Worker, int] | None = None,
 ) -> dict[tuple[int, int, int], int]:
     """``(home, mb, stage) -> pipeline``: home when alive, else dealt round-robin (starting at
-    survivor ``offset``) over the stage's survivors in order of (k, home).
+    survivor ``offset``) over the stage's survivors in order of (k, home) (:func:`reroute_moves`)."""
+    assignment = {(h, k, s): h for s in range(stages) for k in range(microbatches) for h in range(pipelines)}
+    assignment.update(reroute_moves(pipelines, stages, microbatches, failed, offset, give))
+    return assignment
+
+
+def reroute_moves(
+    pipelines: int,
+    stages: int,
+    microbatches: int,
+    failed: Iterable[Worker],
+    offset: int = 0,
+    give: Mapping[Worker, int] | None = None,
+) -> dict[tuple[int, int, int], int]:
+    """The micro-batches :func:`reroute_assignment` runs away from home, and where:
+    ``(home, mb, stage) -> pipeline``. At a stage, those of its failed workers are dealt
+    round-robin (starting at survivor ``offset``) over the stage's survivors in order of (k, home).
 
     ``give``: a straggler ``(p, s)`` hands ``give[(p, s)]`` of its own micro-batches (spread
     evenly over k) to the stage's other survivors, dealt round-robin as a failed worker's are: a
@@ -165,7 +254,7 @@ def reroute_assignment(
     dead: dict[int, set[int]] = {s: set() for s in range(stages)}
     for p, s in failed:
         dead[s].add(p)
-    assignment: dict[tuple[int, int, int], int] = {}
+    moves: dict[tuple[int, int, int], int] = {}
     for s in range(stages):
         survivors = [p for p in range(pipelines) if p not in dead[s]]
         if not survivors:
@@ -176,15 +265,14 @@ def reroute_assignment(
             for (p, stage), g in give.items()
             if stage == s and p in survivors and len(receivers) < len(survivors)
         }
+        leaving = sorted(dead[s] | set(handed))
         turn = offset
         for k in range(microbatches):
-            for h in range(pipelines):
-                if h in dead[s] or k in handed.get(h, ()):
-                    assignment[(h, k, s)] = receivers[turn % len(receivers)]
+            for h in leaving:
+                if h in dead[s] or k in handed[h]:
+                    moves[(h, k, s)] = receivers[turn % len(receivers)]
                     turn += 1
-                else:
-                    assignment[(h, k, s)] = h
-    return assignment
+    return moves
 
 
 def balanced_give(pipelines: int, microbatches: int, factor: float, live: int) -> float:
@@ -234,13 +322,33 @@ def candidates(
     (the round-robin dealing shifted by one survivor) is only distinct when every stage keeps at
     least two survivors; otherwise it falls back to ``rr0``. ``give``: stragglers' hand-overs
     (:func:`reroute_assignment`)."""
-    failed = tuple(failed)
-    give = dict(give or {})
-    assignments: dict[str, Assignment] = {"rr0": reroute_assignment(pipelines, stages, microbatches, failed, give=give)}
+    moves = _assignment_moves(pipelines, stages, microbatches, tuple(failed), dict(give or {}))
+    assignments = {}
+    for name, moved in moves.items():
+        assignment = reroute_assignment(pipelines, stages, microbatches, ())
+        assignment.update(moved)
+        assignments[name] = assignment
+    return [(name, assignments[a], POLICIES[p]) for name, a, p in _pairs(moves)]
+
+
+def _assignment_moves(
+    pipelines: int, stages: int, microbatches: int, failed: tuple[Worker, ...], give: dict[Worker, int]
+) -> dict[str, dict[tuple[int, int, int], int]]:
+    """The re-routings by name: ``rr0``, and ``rr1`` where it differs (see :func:`candidates`)."""
+    moves = {"rr0": reroute_moves(pipelines, stages, microbatches, failed, give=give)}
     min_survivors = min(pipelines - sum(1 for _p, q in failed if q == s) for s in range(stages))
     if (failed or any(give.values())) and min_survivors > 1:
-        assignments["rr1"] = reroute_assignment(pipelines, stages, microbatches, failed, offset=1, give=give)
-    order = list(PREFERRED) + [(a, p) for p in POLICIES for a in ("rr0", "rr1")]
+        moves["rr1"] = reroute_moves(pipelines, stages, microbatches, failed, offset=1, give=give)
+    return moves
+
+
+def _pairs(assignments: Iterable[str], deep_first: bool = False) -> list[tuple[str, str, str]]:
+    """(candidate name, assignment name, policy name) in the order the heuristic tries them:
+    :data:`PREFERRED`, then every other pair; :data:`DEEP_FIRST` before them all if
+    ``deep_first``."""
+    assignments = set(assignments)
+    order = (list(DEEP_FIRST) if deep_first else []) + list(PREFERRED)
+    order += [(a, p) for p in POLICIES for a in ("rr0", "rr1")]
     out, seen = [], set()
     for assignment_name, policy_name in order:
         if assignment_name not in assignments:
@@ -248,44 +356,68 @@ def candidates(
         name = f"{assignment_name}/{policy_name}"
         if name not in seen:
             seen.add(name)
-            out.append((name, assignments[assignment_name], POLICIES[policy_name]))
+            out.append((name, assignment_name, policy_name))
     return out
 
 
-def _all_candidates(request: PlanRequest) -> list[tuple[str, Assignment, SchedulePolicy, dict[Worker, int]]]:
-    """Without stragglers, :func:`candidates`. With them, the candidates of every hand-over level
-    (:func:`give_levels`) interleaved, so that a small budget still weighs each level."""
+_Candidate = tuple[str, tuple[int, str], SchedulePolicy, dict[Worker, int]]
+"""(name, (give level, assignment name), policy, hand-overs)."""
+
+
+def _all_candidates(
+    request: PlanRequest, deep_first: bool = False
+) -> tuple[list[_Candidate], dict[tuple[int, str], dict]]:
+    """Without stragglers, the candidates of :func:`candidates`. With them, the candidates of every
+    hand-over level (:func:`give_levels`) interleaved, so that a small budget still weighs each
+    level. Also the moves of every (level, assignment name). ``deep_first``: see :func:`_pairs`."""
     D, P, m = request.pipelines, request.stages, request.microbatches
-    levels = give_levels(D, P, m, request.failed, request.costs)
-    per_level = [
-        [
-            (f"{level}/{name}" if level else name, a, policy, give)
-            for name, a, policy in candidates(D, P, m, request.failed, give)
-        ]
-        for level, give in levels
-    ]
-    return [c for row in itertools.zip_longest(*per_level) for c in row if c is not None]
+    per_level: list[list[_Candidate]] = []
+    moves: dict[tuple[int, str], dict] = {}
+    for index, (level, give) in enumerate(give_levels(D, P, m, request.failed, request.costs)):
+        for name, moved in _assignment_moves(D, P, m, tuple(request.failed), give).items():
+            moves[(index, name)] = moved
+        per_level.append(
+            [
+                (f"{level}/{name}" if level else name, (index, a), POLICIES[p], give)
+                for name, a, p in _pairs((a for i, a in moves if i == index), deep_first)
+            ]
+        )
+    return [c for row in itertools.zip_longest(*per_level) for c in row if c is not None], moves
 
 
-def _best_schedule(request: PlanRequest, bound: float, budget_ops: int) -> tuple[dict[Worker, list[Op]], dict]:
+def _best_schedule(
+    request: PlanRequest, bound: float, budget_ops: int, scale: bool
+) -> tuple[Reduction, dict[Worker, list[Op]], dict]:
+    """The best candidate's reduction (:mod:`symmetry`), its workers in the reduced labels, and
+    its name and hand-overs. Without stragglers only the touched pipelines and one untouched one
+    are scheduled; with them every pipeline is (a straggler's pipeline is not interchangeable)."""
     D, P, m, cap = request.pipelines, request.stages, request.microbatches, request.memory_cap
     limit = max(2, budget_ops // max(1, 3 * D * P * m))
+    all_candidates, moves = _all_candidates(request, deep_first=scale and limit == 2)
+    reduced: dict[tuple[int, str], tuple[Reduction, dict]] = {}
     best = None
-    for tried, (name, assignment, policy, give) in enumerate(_all_candidates(request)):
+    for tried, (name, key, policy, give) in enumerate(all_candidates):
         if tried >= limit:
             break
+        if key not in reduced:
+            symmetric = scale and not request.costs.slow
+            reduction = Reduction.of(D, request.failed, moves[key]) if symmetric else Reduction.none(D)
+            reduced[key] = (reduction, reduction.assignment(P, m, moves[key]))
+        reduction, assignment = reduced[key]
         try:
-            workers = list_schedule(D, P, m, assignment, request.costs, cap, request.options, policy=policy)
+            workers = list_schedule(
+                reduction.size, P, m, assignment, request.costs, cap, request.options, policy=policy
+            )
         except ValueError:
             continue  # this policy got stuck; others may not
         makespan = _makespan(workers)
         if best is None or makespan < best[0] - 1e-9:
-            best = (makespan, workers, {"name": name, "give": {w: g for w, g in give.items() if g}})
+            best = (makespan, reduction, workers, {"name": name, "give": {w: g for w, g in give.items() if g}})
         if makespan <= bound + 1e-9:
             break
     if best is None:
         raise ValueError(f"heuristic: no candidate schedule found (memory_cap={cap} may be too small)")
-    return best[1], best[2]
+    return best[1], best[2], best[3]
 
 
 def _makespan(workers: dict[Worker, list[Op]]) -> float:

@@ -25,7 +25,7 @@ input arrives, among the ops whose inputs have arrived by then, so a run costs O
 from __future__ import annotations
 
 import heapq
-import itertools
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -73,6 +73,14 @@ class SchedulePolicy:
     heavy_warmup: bool = False
     """Workers that run more micro-batches than ``microbatches`` (re-routing survivors) may run
     forwards up to the memory cap ahead of their backwards, to cover the longer busy period."""
+    reroute_warmup: int = 0
+    """Added to the warm-up limit of the workers a re-routing feeds: on a pipeline that runs
+    another pipeline's micro-batch at stage s, stages 0..s; on a pipeline whose micro-batch runs
+    elsewhere at stage s, stages 0..s-1. Their forwards reach the survivors early enough to fill
+    the survivors' warm-up bubble."""
+    fill_only: bool = False
+    """A forward beyond 1F1B's warm-up (``P - s`` plus ``extra_warmup``) never goes before a ready
+    B: a deeper warm-up (``heavy_warmup``, a ``warmup_limit``) only fills time no B can use."""
 
 
 ZB_H1 = SchedulePolicy(forward_first_stage0=True, unblock_memory=True)
@@ -110,187 +118,218 @@ def list_schedule(
         limit = lambda w: base(w) + policy.extra_warmup
     else:
         limit = warmup_limit
-    state = _SchedulerState(pipelines, stages, microbatches, assignment, costs, memory_cap, options, limit, policy)
-    return state.run()
+    return _schedule(pipelines, stages, microbatches, assignment, costs, memory_cap, options, limit, policy)
 
 
-class _SchedulerState:
-    def __init__(self, pipelines, stages, microbatches, assignment, costs, memory_cap, options, limit, policy):
-        self.P = stages
-        self.costs = costs
-        self.memory_cap = memory_cap
-        self.options = options
-        self.policy = policy
-        self.assignment = assignment
-        expected = pipelines * microbatches * stages
-        if len(assignment) != expected:
-            raise ValueError(f"assignment covers {len(assignment)} of {expected} (home, mb, stage) triples")
-        self.workers: list[Worker] = sorted({(p, s) for (_h, _k, s), p in assignment.items()})
-        self.index = {w: i for i, w in enumerate(self.workers)}
-        n = len(self.workers)
-        self.stage_of = [w[1] for w in self.workers]
-        self.dur = {
-            kind: [costs.op_duration(kind, w) for w in self.workers]
-            for kind in (FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
-        }
-        # the runner (worker index) of every (h, k, s)
-        self.runner: dict[tuple[int, int, int], int] = {
-            (h, k, s): self.index[(p, s)] for (h, k, s), p in assignment.items()
-        }
-        # forward order key per (h, k, s): by index k, then home (optionally own pipeline first)
-        self.f_key: dict[tuple[int, int, int], tuple] = {}
-        for (h, k, s), p in assignment.items():
-            self.f_key[(h, k, s)] = (k, 0 if (policy.own_first and h == p) else 1, h)
-        self.n_mbs = [0] * n
-        for key in assignment:
-            self.n_mbs[self.runner[key]] += 1
-        self.limit = [max(1, limit(w)) for w in self.workers]
-        self.heavy = [count > microbatches for count in self.n_mbs]
-        if policy.heavy_warmup:
-            for wi, count in enumerate(self.n_mbs):
-                if count > microbatches:
-                    self.limit[wi] = max(self.limit[wi], memory_cap)
-        self.ops: list[list[Op]] = [[] for _ in range(n)]
-        self.free_at = [0.0] * n
-        self.counts = [[0, 0, 0] for _ in range(n)]  # F, B, W placed
-        # per worker: pending arrivals (time, seq, kind, h, k) and ready heaps per kind
-        self.arrivals: list[list] = [[] for _ in range(n)]
-        self.ready_f: list[list] = [[] for _ in range(n)]
-        self.ready_b: list[list] = [[] for _ in range(n)]
-        self.ready_w: list[list] = [[] for _ in range(n)]
-        self.f_seq: dict[tuple[int, int, int], int] = {}  # order in which F ran on its worker
-        self.f_end: dict[tuple[int, int, int], float] = {}
-        self.events: list = []
-        self.counter = itertools.count()
+_F, _B, _W = 0, 1, 2
+_KINDS = (FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
+_new_op = tuple.__new__
 
-    # -- event plumbing -------------------------------------------------------------------
-    def _arrive(self, wi: int, time: float, kind: str, h: int, k: int) -> None:
-        seq = next(self.counter)
-        heapq.heappush(self.arrivals[wi], (time, seq, kind, h, k))
-        if time >= self.free_at[wi]:  # a busy worker looks at its arrivals when it becomes free
-            heapq.heappush(self.events, (time, seq, wi))
 
-    def _wake(self, wi: int, time: float) -> None:
-        heapq.heappush(self.events, (time, next(self.counter), wi))
+def _schedule(
+    pipelines: int,
+    stages: int,
+    microbatches: int,
+    assignment: Assignment,
+    costs: CostModel,
+    memory_cap: int,
+    options: ScheduleOptions,
+    limit: Callable[[Worker], int],
+    policy: SchedulePolicy,
+) -> dict[Worker, list[Op]]:
+    """The event loop. A micro-batch ``(h, k)`` is ``j = h m + k`` and ``(h, k, s)`` is
+    ``j P + s``. An event ``(time, seq, worker)`` asks the worker to decide at ``time``; an
+    arrival ``(time, seq, kind, j)`` makes an op ready at ``time``; ``seq`` numbers both in the
+    order they were queued, which breaks ties between equal times. A W is ready as soon as its
+    B ends, which is before its worker decides again, so the ready W wait in a queue in the order
+    of their B."""
+    D, P, m = pipelines, stages, microbatches
+    expected = D * m * P
+    if len(assignment) != expected:
+        raise ValueError(f"assignment covers {len(assignment)} of {expected} (home, mb, stage) triples")
+    for h, k, s in assignment:
+        if not (0 <= h < D and 0 <= k < m and 0 <= s < P):
+            raise ValueError(f"assignment names (home, mb, stage) = {(h, k, s)} outside {D} x {m} x {P}")
+    workers: list[Worker] = sorted({(p, s) for (_h, _k, s), p in assignment.items()})
+    index = {w: i for i, w in enumerate(workers)}
+    n = len(workers)
+    stage_of = [w[1] for w in workers]
+    dur = [[costs.op_duration(kind, w) for w in workers] for kind in _KINDS]
+    dur_f, dur_b, dur_w = dur
+    runner = [0] * expected
+    f_key: list[tuple] = [()] * expected
+    n_mbs = [0] * n
+    own_first = policy.own_first
+    for (h, k, s), p in assignment.items():
+        wi = index[(p, s)]
+        key = (h * m + k) * P + s
+        runner[key] = wi
+        f_key[key] = (k, 0 if (own_first and h == p) else 1, h)
+        n_mbs[wi] += 1
+    limits = [max(1, limit(w)) for w in workers]
+    if policy.reroute_warmup:
+        fed = _fed_stages(assignment)
+        for wi, (p, s) in enumerate(workers):
+            if s <= fed.get(p, -1):
+                limits[wi] += policy.reroute_warmup
+    first_limits = [max(1, P - s + policy.extra_warmup) for s in stage_of] if policy.fill_only else limits
+    heavy = [count > m for count in n_mbs]
+    if policy.heavy_warmup:
+        for wi in range(n):
+            if heavy[wi]:
+                limits[wi] = max(limits[wi], memory_cap)
 
-    def run(self) -> dict[Worker, list[Op]]:
-        for (h, k, s), wi in self.runner.items():
-            if s == 0:
-                heapq.heappush(self.ready_f[wi], (self.f_key[(h, k, s)], h, k))
-        for wi in range(len(self.workers)):
-            self._wake(wi, 0.0)
-        total = 3 * sum(self.n_mbs)
-        scheduled = 0
-        events = self.events
-        while events:
-            t, _, wi = heapq.heappop(events)
-            if self.free_at[wi] > t:
-                continue
-            # several events of one worker at the same time: decide once
-            scheduled += self._decide(wi, t)
-        if scheduled != total:
-            raise ValueError(
-                f"list scheduler: only {scheduled} of {total} ops could be placed "
-                "(cyclic dependencies or memory cap too small)"
-            )
-        self._place_steps()
-        return {w: self.ops[i] for i, w in enumerate(self.workers)}
+    ops: list[list[Op]] = [[] for _ in range(n)]
+    free_at = [0.0] * n
+    n_f, n_b, n_w = [0] * n, [0] * n, [0] * n
+    arrivals: list[list] = [[] for _ in range(n)]
+    ready_f: list[list] = [[] for _ in range(n)]
+    ready_b: list[list] = [[] for _ in range(n)]
+    ready_w: list[deque] = [deque() for _ in range(n)]
+    f_seq = [0] * expected
+    f_end = [0.0] * expected
+    events: list = []
+    push, pop = heapq.heappush, heapq.heappop
+    comm = costs.comm
+    last = P - 1
+    decoupled = options.decoupled
+    cap = memory_cap
+    unblock = policy.unblock_memory
+    forward_first = policy.forward_first
+    forward_first_stage0 = policy.forward_first_stage0
+    heavy_forward_first = policy.heavy_forward_first
+    lookahead = policy.w_lookahead
+    seq = 0
 
-    def _decide(self, wi: int, t: float) -> int:
-        arrivals = self.arrivals[wi]
-        s = self.stage_of[wi]
-        while arrivals and arrivals[0][0] <= t:
-            _, _, kind, h, k = heapq.heappop(arrivals)
-            if kind == FORWARD:
-                heapq.heappush(self.ready_f[wi], (self.f_key[(h, k, s)], h, k))
-            elif kind == BACKWARD_INPUT:
-                heapq.heappush(self.ready_b[wi], (self.f_seq[(h, k, s)], h, k))
-            else:
-                heapq.heappush(self.ready_w[wi], (next(self.counter), h, k))
-        nf, nb, nw = self.counts[wi]
-        ready_f, ready_b, ready_w = self.ready_f[wi], self.ready_b[wi], self.ready_w[wi]
-        policy = self.policy
-        decoupled = self.options.decoupled
-        f_warm = nf - nb < self.limit[wi]
-        f_mem = nf - nw < self.memory_cap
-        f_ok = bool(ready_f) and f_warm and f_mem
-        choice = None
-        if decoupled and ready_w and policy.unblock_memory and ready_f and f_warm and not f_mem:
-            choice = BACKWARD_WEIGHT
-        elif f_ok and (
-            policy.forward_first
-            or (policy.forward_first_stage0 and s == 0)
-            or (policy.heavy_forward_first and self.heavy[wi])
-        ):
-            choice = FORWARD
-        elif ready_b:
-            choice = BACKWARD_INPUT
-        elif f_ok:
-            choice = FORWARD
-        elif decoupled and ready_w:
-            choice = BACKWARD_WEIGHT
-            if policy.w_lookahead and arrivals:
-                end = t + self.dur[BACKWARD_WEIGHT][wi]
-                for time, _, kind, _h, _k in arrivals:
-                    if time < end and (kind == BACKWARD_INPUT or (kind == FORWARD and f_warm and f_mem)):
-                        return 0  # wait for it; its arrival event wakes us
-        if choice is None:
-            return 0
-        if choice == FORWARD:
-            _, h, k = heapq.heappop(ready_f)
-        elif choice == BACKWARD_INPUT:
-            _, h, k = heapq.heappop(ready_b)
-        else:
-            _, h, k = heapq.heappop(ready_w)
-        placed = self._place(wi, choice, h, k, t)
-        if choice == BACKWARD_INPUT and not decoupled:
-            placed += self._place(wi, BACKWARD_WEIGHT, h, k, self.free_at[wi])
-        return placed
-
-    def _place(self, wi: int, kind: str, h: int, k: int, start: float) -> int:
-        s = self.stage_of[wi]
-        end = start + self.dur[kind][wi]
-        self.ops[wi].append(Op(kind, h, k, s, start, end))
-        self.free_at[wi] = end
-        counts = self.counts[wi]
-        comm = self.costs.comm
-        last = self.P - 1
-        if kind == FORWARD:
-            counts[0] += 1
-            key = (h, k, s)
-            self.f_seq[key] = counts[0]
-            self.f_end[key] = end
-            if s < last:
-                self._arrive(self.runner[(h, k, s + 1)], end + comm, FORWARD, h, k)
-            else:
-                self._arrive(wi, end, BACKWARD_INPUT, h, k)
-        elif kind == BACKWARD_INPUT:
-            counts[1] += 1
-            if self.options.decoupled:
-                self._arrive(wi, end, BACKWARD_WEIGHT, h, k)
-            else:
-                self._send_grad(h, k, s, end + self.dur[BACKWARD_WEIGHT][wi])
-        else:
-            counts[2] += 1
-        if kind == BACKWARD_INPUT and self.options.decoupled:
-            self._send_grad(h, k, s, end)
-        self._wake(wi, end)
-        return 1
-
-    def _send_grad(self, h: int, k: int, s: int, end: float) -> None:
-        """The input grad of (h, k, s) is sent to the runner of (h, k, s - 1)."""
+    for (h, k, s), p in assignment.items():
         if s == 0:
-            return
-        key = (h, k, s - 1)
-        prev = self.runner[key]
-        # F(h, k, s - 1) has ended: F(h, k, s) needed its output
-        self._arrive(prev, max(end + self.costs.comm, self.f_end[key]), BACKWARD_INPUT, h, k)
+            j = h * m + k
+            push(ready_f[index[(p, 0)]], (f_key[j * P], j))
+    for wi in range(n):
+        push(events, (0.0, seq, wi))
+        seq += 1
+    placed = 0
+    while events:
+        t, _, wi = pop(events)
+        if free_at[wi] > t:
+            continue
+        s = stage_of[wi]
+        waiting = arrivals[wi]
+        rf, rb, rw = ready_f[wi], ready_b[wi], ready_w[wi]
+        while waiting and waiting[0][0] <= t:
+            _, _, kind, j = pop(waiting)
+            if kind == _F:
+                push(rf, (f_key[j * P + s], j))
+            else:
+                push(rb, (f_seq[j * P + s], j))
+        nf, nb = n_f[wi], n_b[wi]
+        f_warm = nf - nb < limits[wi]
+        f_mem = nf - n_w[wi] < cap
+        f_ok = f_warm and f_mem and bool(rf)
+        if decoupled and rw and unblock and rf and f_warm and not f_mem:
+            kind = _W
+        elif (
+            f_ok
+            and (forward_first or (forward_first_stage0 and s == 0) or (heavy_forward_first and heavy[wi]))
+            and nf - nb < first_limits[wi]
+        ):
+            kind = _F
+        elif rb:
+            kind = _B
+        elif f_ok:
+            kind = _F
+        elif decoupled and rw:
+            kind = _W
+            if lookahead and waiting:
+                until = t + dur_w[wi]
+                if any(
+                    time < until and (what == _B or (what == _F and f_warm and f_mem)) for time, _, what, _j in waiting
+                ):
+                    continue  # wait for it; its arrival event wakes us
+        else:
+            continue
+        j = rw.popleft() if kind == _W else pop(rf if kind == _F else rb)[1]
+        h, k = divmod(j, m)
+        key = j * P + s
+        if kind == _F:
+            end = t + dur_f[wi]
+            ops[wi].append(_new_op(Op, (FORWARD, h, k, s, t, end)))
+            free_at[wi] = end
+            nf += 1
+            n_f[wi] = nf
+            f_seq[key] = nf
+            f_end[key] = end
+            if s < last:
+                to, at, what = runner[key + 1], end + comm, _F
+            else:
+                to, at, what = wi, end, _B
+            push(arrivals[to], (at, seq, what, j))
+            if at >= free_at[to]:
+                push(events, (at, seq, to))
+            seq += 1
+            placed += 1
+        elif kind == _B:
+            end = t + dur_b[wi]
+            ops[wi].append(_new_op(Op, (BACKWARD_INPUT, h, k, s, t, end)))
+            free_at[wi] = end
+            n_b[wi] = nb + 1
+            placed += 1
+            if decoupled:
+                rw.append(j)
+                push(events, (end, seq, wi))
+                seq += 1
+                grad_at = end
+            else:
+                w_end = end + dur_w[wi]
+                grad_at = w_end
+            if s > 0:
+                to = runner[key - 1]
+                at = max(grad_at + comm, f_end[key - 1])
+                push(arrivals[to], (at, seq, _B, j))
+                if at >= free_at[to]:
+                    push(events, (at, seq, to))
+                seq += 1
+            if not decoupled:
+                push(events, (end, seq, wi))
+                seq += 1
+                ops[wi].append(_new_op(Op, (BACKWARD_WEIGHT, h, k, s, end, w_end)))
+                free_at[wi] = end = w_end
+                n_w[wi] += 1
+                placed += 1
+        else:
+            end = t + dur_w[wi]
+            ops[wi].append(_new_op(Op, (BACKWARD_WEIGHT, h, k, s, t, end)))
+            free_at[wi] = end
+            n_w[wi] += 1
+            placed += 1
+        push(events, (end, seq, wi))
+        seq += 1
+    total = 3 * sum(n_mbs)
+    if placed != total:
+        raise ValueError(
+            f"list scheduler: only {placed} of {total} ops could be placed "
+            "(cyclic dependencies or memory cap too small)"
+        )
+    _place_steps(ops, stage_of, free_at, costs.step, options.staggered)
+    return {w: ops[i] for i, w in enumerate(workers)}
 
-    def _place_steps(self) -> None:
-        last_w: dict[int, float] = {}
-        for wi, s in enumerate(self.stage_of):
-            last_w[s] = max(last_w.get(s, 0.0), self.free_at[wi])
-        everything_done = max(last_w.values(), default=0.0)
-        for wi, s in enumerate(self.stage_of):
-            start = last_w[s] if self.options.staggered else everything_done
-            self.ops[wi].append(Op(STEP, -1, -1, s, start, start + self.costs.step))
+
+def _fed_stages(assignment: Assignment) -> dict[int, int]:
+    """Pipeline -> the last stage up to which it feeds a re-routed micro-batch (see
+    :attr:`SchedulePolicy.reroute_warmup`)."""
+    fed: dict[int, int] = {}
+    for (h, _k, s), p in assignment.items():
+        if p != h:
+            fed[p] = max(fed.get(p, -1), s)
+            fed[h] = max(fed.get(h, -1), s - 1)
+    return fed
+
+
+def _place_steps(ops: list[list[Op]], stage_of: list[int], free_at: list[float], step: float, staggered: bool) -> None:
+    last_w: dict[int, float] = {}
+    for wi, s in enumerate(stage_of):
+        last_w[s] = max(last_w.get(s, 0.0), free_at[wi])
+    everything_done = max(last_w.values(), default=0.0)
+    for wi, s in enumerate(stage_of):
+        start = last_w[s] if staggered else everything_done
+        ops[wi].append(Op(STEP, -1, -1, s, start, start + step))

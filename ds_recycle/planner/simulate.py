@@ -15,6 +15,7 @@ later stages are still finishing.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from itertools import repeat
 
 from ds_recycle.planner.plan import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, STEP, Op, Plan, Worker
 
@@ -73,127 +74,209 @@ def _replay(
     plan: Plan, iterations: int, staggered: bool, decoupled: bool
 ) -> tuple[dict[Worker, list[Op]], list[float]]:
     """ASAP times of the plan's order over ``iterations`` iterations: the first iteration's
-    timed ops and the end of every iteration."""
-    costs = plan.costs
-    comm = costs.comm
-    last = plan.stages - 1
-    workers = plan.live_workers
-    n_workers = len(workers)
-    orders = [plan.workers[w] for w in workers]
-    # number every op; deps[i] = [(op id, lag)], S ops get dep None and a step group
-    op_id: dict[tuple[str, int, int, int], int] = {}
-    where: list[int] = []
-    flat: list[Op] = []
-    for wi, ops in enumerate(orders):
-        for op in ops:
-            if op.kind != STEP:
-                op_id[(op.kind, op.home, op.mb, op.stage)] = len(flat)
-            where.append(wi)
-            flat.append(op)
-    ids = [[0] * len(ops) for ops in orders]
-    i = 0
-    for wi, ops in enumerate(orders):
-        for j in range(len(ops)):
-            ids[wi][j] = i
-            i += 1
-    n = len(flat)
-    duration = [costs.op_duration(op.kind, workers[wi]) for op, wi in zip(flat, where, strict=True)]
-    deps: list[list[tuple[int, float]] | None] = []
-    for i, op in enumerate(flat):
-        kind, h, k, s = op.kind, op.home, op.mb, op.stage
-        if kind == STEP:
-            deps.append(None)
+    timed ops and the end of every iteration.
+
+    An op depends only on ops of its own iteration and on its worker's previous op, so iteration
+    i+1 is iteration i's graph again, started from each worker's end of iteration i. The first
+    iteration is replayed worker by worker (which finds a deadlock); the order in which its ops
+    got their times is a topological order of that graph, and the later iterations walk it."""
+    graph = _Graph(plan, staggered, decoupled)
+    start, end, order = graph.first_iteration()
+    ends = [max(end, default=0.0)]
+    if iterations > 1:
+        last = [ids[-1] if ids else -1 for ids in graph.ids]
+        free = [end[i] if i >= 0 else 0.0 for i in last]
+        later_end = list(end)
+        for _ in range(1, iterations):
+            graph.walk(order, free, later_end)
+            ends.append(max(later_end, default=0.0))
+    timed = {}
+    for w, ops, first in zip(graph.workers, graph.orders, graph.first, strict=True):
+        if not ops:
+            timed[w] = []
             continue
-        keys = []
-        if kind == FORWARD and s > 0:
-            keys.append((FORWARD, h, k, s - 1))
-        elif kind == BACKWARD_INPUT:
-            keys.append((FORWARD, h, k, s))
-            if s < last:
-                keys.append((BACKWARD_INPUT if decoupled else BACKWARD_WEIGHT, h, k, s + 1))
-        elif kind == BACKWARD_WEIGHT:
-            keys.append((BACKWARD_INPUT, h, k, s))
-        out = []
-        for key in keys:
-            d = op_id.get(key)
-            if d is None:
-                raise ValueError(f"simulator: {op.label()} depends on {key}, which no worker runs")
-            out.append((d, comm if where[d] != where[i] else 0.0))
-        deps.append(out)
-    group_of = [w[1] if staggered else 0 for w in workers]
-    group_size: dict[int, int] = {}
-    for g in group_of:
-        group_size[g] = group_size.get(g, 0) + 1
-
-    start_t = [[0.0] * n for _ in range(iterations)]
-    end_t: list[list[float | None]] = [[None] * n for _ in range(iterations)]
-    waiting: dict[tuple[int, int], list[int]] = {}
-    at_step: dict[tuple[int, int], list[int]] = {}
-    free = [0.0] * n_workers
-    pc = [0] * n_workers  # position in the K concatenated copies of the worker's ops
-    lengths = [len(ops) for ops in orders]
-    stack = list(range(n_workers))
-    done = 0
-
-    def finish(wi: int, it: int, i: int, start: float) -> None:
-        nonlocal done
-        stop = start + duration[i]
-        start_t[it][i] = start
-        end_t[it][i] = stop
-        free[wi] = stop
-        pc[wi] += 1
-        done += 1
-        waiters = waiting.pop((it, i), None)
-        if waiters:
-            stack.extend(waiters)
-
-    while stack:
-        wi = stack.pop()
-        length = lengths[wi]
-        while pc[wi] < iterations * length:
-            it, j = divmod(pc[wi], length)
-            i = ids[wi][j]
-            dep = deps[i]
-            if dep is None:  # S: wait for the whole step group
-                group = (it, group_of[wi])
-                arrived = at_step.setdefault(group, [])
-                if wi in arrived:
-                    break
-                arrived.append(wi)
-                if len(arrived) < group_size[group_of[wi]]:
-                    break
-                start = max(free[p] for p in arrived)
-                for p in arrived:
-                    finish(p, it, ids[p][pc[p] % lengths[p]], start)
-                    if p != wi:
-                        stack.append(p)
-                continue
-            start = free[wi]
-            ends = end_t[it]
-            blocked = -1
-            for d, lag in dep:
-                t = ends[d]
-                if t is None:
-                    blocked = d
-                    break
-                if t + lag > start:
-                    start = t + lag
-            if blocked >= 0:
-                waiting.setdefault((it, blocked), []).append(wi)
-                break
-            finish(wi, it, i, start)
-    if done != iterations * n:
-        stuck = [workers[w] for w in range(n_workers) if pc[w] < iterations * lengths[w]]
-        raise ValueError(f"simulator: the plan's op order deadlocks (stuck workers: {stuck})")
-    timed = {
-        w: [
-            Op(op.kind, op.home, op.mb, op.stage, start_t[0][i], end_t[0][i])
-            for op, i in zip(orders[wi], ids[wi], strict=True)
-        ]
-        for wi, w in enumerate(workers)
-    }
-    ends = [max((e for e in end_t[it] if e is not None), default=0.0) for it in range(iterations)]
+        kinds, homes, mbs, stages, _starts, _ends = zip(*ops, strict=True)
+        stop = first + len(ops)
+        columns = zip(kinds, homes, mbs, stages, start[first:stop], end[first:stop], strict=True)
+        timed[w] = list(map(_new_op, repeat(Op, len(ops)), columns))
     return timed, ends
+
+
+_new_op = tuple.__new__
+
+
+class _Graph:
+    """A plan's ops numbered worker by worker, each with its duration, its at most two
+    precedences (op and p2p lag; -1 for none) and, for an S, its step group."""
+
+    def __init__(self, plan: Plan, staggered: bool, decoupled: bool) -> None:
+        costs = plan.costs
+        comm = costs.comm
+        last = plan.stages - 1
+        self.workers = workers = plan.live_workers
+        self.orders = orders = [plan.workers[w] for w in workers]
+        ids_of: dict[str, dict[tuple[int, int, int], int]] = {FORWARD: {}, BACKWARD_INPUT: {}, BACKWARD_WEIGHT: {}}
+        where: list[int] = []
+        duration: list[float] = []
+        self.ids = ids = []
+        self.first = []
+        for wi, ops in enumerate(orders):
+            first = len(where)
+            self.first.append(first)
+            ids.append(list(range(first, first + len(ops))))
+            worker = workers[wi]
+            durations = {kind: costs.op_duration(kind, worker) for kind in (FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)}
+            durations[STEP] = costs.step
+            for i, (kind, h, k, s, _start, _end) in enumerate(ops, first):
+                if kind != STEP:
+                    ids_of[kind][(h, k, s)] = i
+                duration.append(durations[kind])
+            where.extend([wi] * len(ops))
+        n = len(where)
+        self.where, self.duration = where, duration
+        dep_a, lag_a, dep_b, lag_b = [-1] * n, [0.0] * n, [-1] * n, [0.0] * n
+        group = [-1] * n
+        group_of = [w[1] if staggered else 0 for w in workers]
+        f_id, b_id = ids_of[FORWARD], ids_of[BACKWARD_INPUT]
+        after_id = b_id if decoupled else ids_of[BACKWARD_WEIGHT]
+        after_b = BACKWARD_INPUT if decoupled else BACKWARD_WEIGHT
+
+        def find(table: dict, kind: str, key: tuple[int, int, int], op: Op) -> int:
+            d = table.get(key)
+            if d is None:
+                raise ValueError(f"simulator: {op.label()} depends on {(kind, *key)}, which no worker runs")
+            return d
+
+        i = 0
+        for ops in orders:
+            for op in ops:
+                kind, h, k, s = op[0], op[1], op[2], op[3]
+                w = where[i]
+                if kind == FORWARD:
+                    if s > 0:
+                        d = f_id.get((h, k, s - 1))
+                        if d is None:
+                            d = find(f_id, FORWARD, (h, k, s - 1), op)
+                        dep_a[i], lag_a[i] = d, comm if where[d] != w else 0.0
+                elif kind == BACKWARD_INPUT:
+                    d = f_id.get((h, k, s))
+                    if d is None:
+                        d = find(f_id, FORWARD, (h, k, s), op)
+                    dep_a[i], lag_a[i] = d, comm if where[d] != w else 0.0
+                    if s < last:
+                        d = after_id.get((h, k, s + 1))
+                        if d is None:
+                            d = find(after_id, after_b, (h, k, s + 1), op)
+                        dep_b[i], lag_b[i] = d, comm if where[d] != w else 0.0
+                elif kind == BACKWARD_WEIGHT:
+                    d = b_id.get((h, k, s))
+                    if d is None:
+                        d = find(b_id, BACKWARD_INPUT, (h, k, s), op)
+                    dep_a[i], lag_a[i] = d, comm if where[d] != w else 0.0
+                elif kind == STEP:
+                    group[i] = group_of[w]
+                i += 1
+        self.dep_a, self.lag_a, self.dep_b, self.lag_b, self.group = dep_a, lag_a, dep_b, lag_b, group
+        self.members: dict[int, list[int]] = {}
+        for wi, g in enumerate(group_of):
+            self.members.setdefault(g, []).append(wi)
+
+    def first_iteration(self) -> tuple[list[float], list[float | None], list[int]]:
+        """Start and end of every op, and the order in which they got them. Raises ValueError
+        if the order deadlocks."""
+        ids, where, duration, group = self.ids, self.where, self.duration, self.group
+        deps = [
+            () if a < 0 else ((a, la),) if b < 0 else ((a, la), (b, lb))
+            for a, la, b, lb in zip(self.dep_a, self.lag_a, self.dep_b, self.lag_b, strict=True)
+        ]
+        n = len(where)
+        n_workers = len(ids)
+        group_size = {g: len(members) for g, members in self.members.items()}
+        start: list[float] = [0.0] * n
+        end: list[float | None] = [None] * n
+        order: list[int] = []
+        waiting: dict[int, list[int]] = {}
+        at_step: dict[int, list[int]] = {}
+        free = [0.0] * n_workers
+        pc = [0] * n_workers
+        lengths = [len(worker_ids) for worker_ids in ids]
+        stack = list(range(n_workers))
+
+        def finish(wi: int, i: int, at: float) -> None:
+            stop = at + duration[i]
+            start[i] = at
+            end[i] = stop
+            free[wi] = stop
+            pc[wi] += 1
+            order.append(i)
+            waiters = waiting.pop(i, None)
+            if waiters:
+                stack.extend(waiters)
+
+        while stack:
+            wi = stack.pop()
+            worker_ids = ids[wi]
+            while pc[wi] < lengths[wi]:
+                i = worker_ids[pc[wi]]
+                g = group[i]
+                if g >= 0:  # S: wait for the whole step group
+                    arrived = at_step.setdefault(g, [])
+                    if wi in arrived:
+                        break
+                    arrived.append(wi)
+                    if len(arrived) < group_size[g]:
+                        break
+                    at = max(free[p] for p in arrived)
+                    for p in arrived:
+                        finish(p, ids[p][pc[p]], at)
+                        if p != wi:
+                            stack.append(p)
+                    continue
+                at = free[wi]
+                blocked = -1
+                for d, lag in deps[i]:
+                    t = end[d]
+                    if t is None:
+                        blocked = d
+                        break
+                    if t + lag > at:
+                        at = t + lag
+                if blocked >= 0:
+                    waiting.setdefault(blocked, []).append(wi)
+                    break
+                finish(wi, i, at)
+        if len(order) != n:
+            stuck = [self.workers[w] for w in range(n_workers) if pc[w] < lengths[w]]
+            raise ValueError(f"simulator: the plan's op order deadlocks (stuck workers: {stuck})")
+        return start, end, order
+
+    def walk(self, order: list[int], free: list[float], end: list[float]) -> None:
+        """One more iteration: every worker starts at ``free`` (updated to its new end); ``end``
+        gets every op's end."""
+        where, duration, group, members = self.where, self.duration, self.group, self.members
+        dep_a, lag_a, dep_b, lag_b = self.dep_a, self.lag_a, self.dep_b, self.lag_b
+        step_start: dict[int, float] = {}
+        for i in order:
+            g = group[i]
+            if g >= 0:
+                t = step_start.get(g)
+                if t is None:
+                    t = step_start[g] = max(free[p] for p in members[g])
+            else:
+                t = free[where[i]]
+                d = dep_a[i]
+                if d >= 0:
+                    x = end[d] + lag_a[i]
+                    if x > t:
+                        t = x
+                    d = dep_b[i]
+                    if d >= 0:
+                        x = end[d] + lag_b[i]
+                        if x > t:
+                            t = x
+            t += duration[i]
+            end[i] = t
+            free[where[i]] = t
 
 
 __all__ = ["SimResult", "retime", "retime_and_simulate", "simulate"]
