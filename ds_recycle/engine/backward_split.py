@@ -1,14 +1,14 @@
 """Decoupled backprop: BackwardInput (grads of the stage inputs) and BackwardWeight (grads of
 the parameters, later).
 
-B follows torch's reference graph split (``torch.distributed.pipelining._backward``, whose
-graph helpers it uses): it finds, for every parameter, the autograd nodes where the parameter's
-subgraph joins the path from the stage input to its output, captures the gradients that flow into
-those nodes, and computes only the input gradients. Unlike torch's ``stage_backward_input`` it
-does not detach the outputs in place, which fails when an output is a view (a Linear on 3-D
-input); the engine drops its references to the outputs instead. W then back-propagates the
-captured gradients from those nodes to the parameters through ``AccumulateGrad``, so parameter
-hooks fire as in a fused backward.
+B follows torch's reference graph split (``torch.distributed.pipelining._backward``; the graph
+helpers are ours, :mod:`ds_recycle.engine.autograd_graph`): it finds, for every parameter, the
+autograd nodes where the parameter's subgraph joins the path from the stage input to its output,
+captures the gradients that flow into those nodes, and computes only the input gradients. Unlike
+torch's ``stage_backward_input`` it does not detach the outputs in place, which fails when an
+output is a view (a Linear on 3-D input); the engine drops its references to the outputs instead.
+W then back-propagates the captured gradients from those nodes to the parameters through
+``AccumulateGrad``, so parameter hooks fire as in a fused backward.
 
 W pins the captured gradients on *every* intermediate node with a node pre-hook. Without that,
 tensor hooks on the stage output (DeepSpeed's 1/GAS hook on the last stage) would run a second
@@ -35,12 +35,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import GradientEdge
-from torch.distributed.pipelining._backward import (
-    _get_grad_fn_or_grad_acc,
-    construct_reverse_graph,
-    get_param_groups,
-)
 
+from ds_recycle.engine.autograd_graph import consumers, grad_node, param_groups
 from ds_recycle.engine.weight_grad import DeferredGemm, WeightGradPath, run_deferred_gemms
 
 
@@ -102,17 +98,16 @@ def backward_input(
 def _split_points(outputs, inputs, params) -> tuple[list[dict], list]:
     """The graph split's parameter groups of ``params``, with hooks capturing the gradients
     that reach their intermediate nodes."""
-    output_nodes = [n for n in map(_get_grad_fn_or_grad_acc, outputs) if n is not None]
-    input_nodes = [n for n in map(_get_grad_fn_or_grad_acc, inputs) if n is not None]
-    weight_nodes = [n for n in (_get_grad_fn_or_grad_acc(p) for p in params if p.requires_grad) if n is not None]
-    param_groups = get_param_groups(input_nodes, weight_nodes, construct_reverse_graph(output_nodes))
+    input_nodes = [n for n in map(grad_node, inputs) if n is not None]
+    weight_nodes = [n for n in (grad_node(p) for p in params if p.requires_grad) if n is not None]
+    groups = param_groups(input_nodes, weight_nodes, consumers(map(grad_node, outputs)))
     handles = []
-    for group in param_groups:
+    for group in groups:
         group["intermediates"] = list(group["intermediates"])
         group["grads"] = [None] * len(group["intermediates"])
         for i, node in enumerate(group["intermediates"]):
             handles.append(node.register_prehook(functools.partial(_capture, group["grads"], i)))
-    return param_groups, handles
+    return groups, handles
 
 
 def _backward_input_with_path(outputs, grads, inputs, wanted, params, path: WeightGradPath):
