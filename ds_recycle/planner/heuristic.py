@@ -37,13 +37,13 @@ from ds_recycle.planner.list_scheduler import (
     Assignment,
     ScheduleOptions,
     SchedulePolicy,
-    list_schedule,
+    list_schedule_with_precedences,
 )
 from ds_recycle.planner.lower_bound import bound_parts
 from ds_recycle.planner.normalize import canonical, invert
 from ds_recycle.planner.plan import CostModel, Op, Plan, Worker
 from ds_recycle.planner.request import PlanRequest
-from ds_recycle.planner.simulate import retime_and_simulate
+from ds_recycle.planner.simulate import Precedences, retime_and_simulate
 from ds_recycle.planner.symmetry import Reduction
 
 POLICIES: dict[str, SchedulePolicy] = {
@@ -187,7 +187,7 @@ def _plan(request: PlanRequest, budget_ops: int, iterations: int, scale: bool) -
 
     P = request.stages
     key, permutation = canonical_labels(request)
-    reduction, workers, chosen = _best_schedule(replace(request, failed=key), bound, budget_ops, scale)
+    reduction, workers, precedences, chosen = _best_schedule(replace(request, failed=key), bound, budget_ops, scale)
     plan = Plan(
         reduction.size,
         P,
@@ -201,7 +201,7 @@ def _plan(request: PlanRequest, budget_ops: int, iterations: int, scale: bool) -
     plan.extra.update({"decoupled": options.decoupled, "staggered": options.staggered, "candidate": chosen["name"]})
     if chosen.get("give"):
         plan.extra["give"] = {f"{p},{s}": g for (p, s), g in sorted(chosen["give"].items())}
-    plan, result = retime_and_simulate(plan, iterations=iterations)
+    plan, result = retime_and_simulate(plan, iterations=iterations, precedences=precedences)
     workers = reduction.expand(plan.workers, P, invert(permutation))
     plan = replace(plan, pipelines=request.pipelines, failed=request.failed, workers=workers, extra=dict(plan.extra))
     plan.lower_bound = bound
@@ -387,9 +387,9 @@ def _all_candidates(
 
 def _best_schedule(
     request: PlanRequest, bound: float, budget_ops: int, scale: bool
-) -> tuple[Reduction, dict[Worker, list[Op]], dict]:
-    """The best candidate's reduction (:mod:`symmetry`), its workers in the reduced labels, and
-    its name and hand-overs. Without stragglers only the touched pipelines and one untouched one
+) -> tuple[Reduction, dict[Worker, list[Op]], Precedences, dict]:
+    """The best candidate's reduction (:mod:`symmetry`), its workers in the reduced labels, their
+    precedences, and its name and hand-overs. Without stragglers only the touched pipelines and one untouched one
     are scheduled; with them every pipeline is (a straggler's pipeline is not interchangeable)."""
     D, P, m, cap = request.pipelines, request.stages, request.microbatches, request.memory_cap
     limit = max(2, budget_ops // max(1, 3 * D * P * m))
@@ -405,19 +405,20 @@ def _best_schedule(
             reduced[key] = (reduction, reduction.assignment(P, m, moves[key]))
         reduction, assignment = reduced[key]
         try:
-            workers = list_schedule(
+            workers, precedences = list_schedule_with_precedences(
                 reduction.size, P, m, assignment, request.costs, cap, request.options, policy=policy
             )
         except ValueError:
             continue  # this policy got stuck; others may not
         makespan = _makespan(workers)
         if best is None or makespan < best[0] - 1e-9:
-            best = (makespan, reduction, workers, {"name": name, "give": {w: g for w, g in give.items() if g}})
+            chosen = {"name": name, "give": {w: g for w, g in give.items() if g}}
+            best = (makespan, reduction, workers, precedences, chosen)
         if makespan <= bound + 1e-9:
             break
     if best is None:
         raise ValueError(f"heuristic: no candidate schedule found (memory_cap={cap} may be too small)")
-    return best[1], best[2], best[3]
+    return best[1], best[2], best[3], best[4]
 
 
 def _makespan(workers: dict[Worker, list[Op]]) -> float:

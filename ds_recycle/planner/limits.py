@@ -10,8 +10,10 @@ Why these numbers (measured on the 2-core development machine, docs/planner.md):
 - ``D <= 4096`` and ``m <= 65536``: far beyond any job (16,384 GPUs at P = 4 is D = 4096); they
   keep a plan's size, its cache key and its text Gantt bounded.
 - ``P <= 1024``: far above any pipeline depth in use; keeps the text Gantt and the cache keys sane.
-- ``3*D*P*m <= 1_000_000`` ops: the heuristic's time is about linear in the ops (0.1-0.3 s for
-  6,144 ops at D=8, P=8, m=32; 28 s for 786,432), so this bounds a plan to well under a minute.
+- ``3*D*P*m <= 1_000_000`` ops: the heuristic's time is about linear in the ops of the pipelines
+  a failure set touches, plus a copy of every op (0.1-0.3 s for 6,144 ops at D=8, P=8, m=32; for
+  786,432 ops 0.9 s CPU when few pipelines are touched, D=512, P=16, m=32 with one failure, and
+  6 s when half are, D=128, P=32, m=64), so this bounds a plan to well under a minute.
 - MILP: ``3*D*P*m <= 3072`` ops. Building the model is not bounded by ``--time-limit``: with two
   failures and a 2 s limit, 1,536 ops took 6 s to build, 3,072 ops 10 s, 6,144 ops 41 s (131k
   binaries) and 24,576 ops 8 minutes; above the limit use the heuristic (the MILP's warm start).

@@ -38,6 +38,7 @@ from ds_recycle.planner.plan import (
     Op,
     Worker,
 )
+from ds_recycle.planner.simulate import Precedences
 
 Assignment = Mapping[tuple[int, int, int], int]
 """``(home, mb, stage) -> pipeline`` whose worker at ``stage`` runs that micro-batch."""
@@ -118,7 +119,32 @@ def list_schedule(
         limit = lambda w: base(w) + policy.extra_warmup
     else:
         limit = warmup_limit
-    return _schedule(pipelines, stages, microbatches, assignment, costs, memory_cap, options, limit, policy)
+    return _schedule(pipelines, stages, microbatches, assignment, costs, memory_cap, options, limit, policy)[0]
+
+
+def list_schedule_with_precedences(
+    pipelines: int,
+    stages: int,
+    microbatches: int,
+    assignment: Assignment,
+    costs: CostModel,
+    memory_cap: int,
+    options: ScheduleOptions = ScheduleOptions(),
+    policy: SchedulePolicy = ZB_H1,
+) -> tuple[dict[Worker, list[Op]], Precedences]:
+    """:func:`list_schedule` (with 1F1B's warm-up limit), and the schedule's precedence graph for
+    the plan simulator (``retime_and_simulate(..., precedences=...)``), with the order in which
+    the ops were placed, which puts every op after its predecessors."""
+    if memory_cap < 1:
+        raise ValueError(f"memory_cap={memory_cap}: a worker must be able to hold at least 1 micro-batch")
+    if costs.stages != stages:
+        raise ValueError(f"cost model has {costs.stages} stages, the topology has {stages}")
+    limit = lambda w: stages - w[1] + policy.extra_warmup
+    workers, precedences = _schedule(
+        pipelines, stages, microbatches, assignment, costs, memory_cap, options, limit, policy, record=True
+    )
+    assert precedences is not None
+    return workers, precedences
 
 
 _F, _B, _W = 0, 1, 2
@@ -136,13 +162,15 @@ def _schedule(
     options: ScheduleOptions,
     limit: Callable[[Worker], int],
     policy: SchedulePolicy,
-) -> dict[Worker, list[Op]]:
-    """The event loop. A micro-batch ``(h, k)`` is ``j = h m + k`` and ``(h, k, s)`` is
-    ``j P + s``. An event ``(time, seq, worker)`` asks the worker to decide at ``time``; an
-    arrival ``(time, seq, kind, j)`` makes an op ready at ``time``; ``seq`` numbers both in the
-    order they were queued, which breaks ties between equal times. A W is ready as soon as its
-    B ends, which is before its worker decides again, so the ready W wait in a queue in the order
-    of their B."""
+    record: bool = False,
+) -> tuple[dict[Worker, list[Op]], Precedences | None]:
+    """The event loop, and with ``record`` the precedences it placed the ops under.
+
+    A micro-batch ``(h, k)`` is ``j = h m + k`` and ``(h, k, s)`` is ``j P + s``. An event
+    ``(time, seq, worker)`` asks the worker to decide at ``time``; an arrival
+    ``(time, seq, kind, j)`` makes an op ready at ``time``; ``seq`` numbers both in the order they
+    were queued, which breaks ties between equal times. A W is ready as soon as its B ends, which
+    is before its worker decides again, so the ready W wait in a queue in the order of their B."""
     D, P, m = pipelines, stages, microbatches
     expected = D * m * P
     if len(assignment) != expected:
@@ -180,6 +208,15 @@ def _schedule(
                 limits[wi] = max(limits[wi], memory_cap)
 
     ops: list[list[Op]] = [[] for _ in range(n)]
+    if record:
+        first, size = [0] * n, 0
+        for wi in range(n):
+            first[wi] = size
+            size += 3 * n_mbs[wi] + 1
+        duration = [0.0] * size
+        dep_a, lag_a, dep_b, lag_b = [-1] * size, [0.0] * size, [-1] * size, [0.0] * size
+        f_id, b_id, w_id = [0] * expected, [0] * expected, [0] * expected
+        order: list[int] = []
     free_at = [0.0] * n
     n_f, n_b, n_w = [0] * n, [0] * n, [0] * n
     arrivals: list[list] = [[] for _ in range(n)]
@@ -259,6 +296,13 @@ def _schedule(
             n_f[wi] = nf
             f_seq[key] = nf
             f_end[key] = end
+            if record:
+                i = first[wi] + len(ops[wi]) - 1
+                f_id[key], duration[i] = i, dur_f[wi]
+                order.append(i)
+                if s > 0:
+                    dep_a[i] = f_id[key - 1]
+                    lag_a[i] = comm if runner[key - 1] != wi else 0.0
             if s < last:
                 to, at, what = runner[key + 1], end + comm, _F
             else:
@@ -274,6 +318,13 @@ def _schedule(
             free_at[wi] = end
             n_b[wi] = nb + 1
             placed += 1
+            if record:
+                i = first[wi] + len(ops[wi]) - 1
+                b_id[key], duration[i], dep_a[i] = i, dur_b[wi], f_id[key]
+                order.append(i)
+                if s < last:
+                    dep_b[i] = (b_id if decoupled else w_id)[key + 1]
+                    lag_b[i] = comm if runner[key + 1] != wi else 0.0
             if decoupled:
                 rw.append(j)
                 push(events, (end, seq, wi))
@@ -296,12 +347,20 @@ def _schedule(
                 free_at[wi] = end = w_end
                 n_w[wi] += 1
                 placed += 1
+                if record:
+                    i += 1
+                    w_id[key], duration[i], dep_a[i] = i, dur_w[wi], i - 1
+                    order.append(i)
         else:
             end = t + dur_w[wi]
             ops[wi].append(_new_op(Op, (BACKWARD_WEIGHT, h, k, s, t, end)))
             free_at[wi] = end
             n_w[wi] += 1
             placed += 1
+            if record:
+                i = first[wi] + len(ops[wi]) - 1
+                duration[i], dep_a[i] = dur_w[wi], b_id[key]
+                order.append(i)
         push(events, (end, seq, wi))
         seq += 1
     total = 3 * sum(n_mbs)
@@ -311,7 +370,19 @@ def _schedule(
             "(cyclic dependencies or memory cap too small)"
         )
     _place_steps(ops, stage_of, free_at, costs.step, options.staggered)
-    return {w: ops[i] for i, w in enumerate(workers)}
+    schedule = {w: ops[i] for i, w in enumerate(workers)}
+    if not record:
+        return schedule, None
+    where, group = [0] * size, [-1] * size
+    for wi in range(n):
+        i = first[wi] + len(ops[wi]) - 1
+        where[first[wi] : i + 1] = [wi] * (i + 1 - first[wi])
+        duration[i], group[i] = costs.step, stage_of[wi] if options.staggered else 0
+        order.append(i)
+    precedences = Precedences(
+        options.staggered, options.decoupled, where, duration, dep_a, lag_a, dep_b, lag_b, group, order
+    )
+    return schedule, precedences
 
 
 def _fed_stages(assignment: Assignment) -> dict[int, int]:

@@ -44,16 +44,25 @@ def simulate(
 
 
 def retime_and_simulate(
-    plan: Plan, iterations: int = 4, staggered: bool | None = None, decoupled: bool | None = None
+    plan: Plan,
+    iterations: int = 4,
+    staggered: bool | None = None,
+    decoupled: bool | None = None,
+    precedences: Precedences | None = None,
 ) -> tuple[Plan, SimResult]:
-    """:func:`retime` and :func:`simulate` from one replay."""
+    """:func:`retime` and :func:`simulate` from one replay. ``precedences``: the plan's graph as
+    the list scheduler that made it recorded it (``list_schedule_with_precedences``), which spares
+    building it and replaying the first iteration worker by worker; ignored unless it was
+    recorded for these ``staggered`` and ``decoupled``."""
     if iterations < 1:
         raise ValueError(f"iterations={iterations} must be >= 1")
     if staggered is None:
         staggered = plan.extra.get("staggered", True)
     if decoupled is None:
         decoupled = plan.extra.get("decoupled", True)
-    workers, ends = _replay(plan, iterations, staggered, decoupled)
+    if precedences is not None and (precedences.staggered, precedences.decoupled) != (staggered, decoupled):
+        precedences = None
+    workers, ends = _replay(plan, iterations, staggered, decoupled, precedences)
     if iterations == 1:
         period = ends[0]
     else:
@@ -71,7 +80,7 @@ def retime(plan: Plan, staggered: bool | None = None, decoupled: bool | None = N
 
 
 def _replay(
-    plan: Plan, iterations: int, staggered: bool, decoupled: bool
+    plan: Plan, iterations: int, staggered: bool, decoupled: bool, precedences: Precedences | None = None
 ) -> tuple[dict[Worker, list[Op]], list[float]]:
     """ASAP times of the plan's order over ``iterations`` iterations: the first iteration's
     timed ops and the end of every iteration.
@@ -79,9 +88,16 @@ def _replay(
     An op depends only on ops of its own iteration and on its worker's previous op, so iteration
     i+1 is iteration i's graph again, started from each worker's end of iteration i. The first
     iteration is replayed worker by worker (which finds a deadlock); the order in which its ops
-    got their times is a topological order of that graph, and the later iterations walk it."""
-    graph = _Graph(plan, staggered, decoupled)
-    start, end, order = graph.first_iteration()
+    got their times is a topological order of that graph, and the later iterations walk it.
+    With ``precedences`` the graph and such an order come from the list scheduler."""
+    if precedences is None:
+        graph = _Graph(plan, staggered, decoupled)
+        start, end, order = graph.first_iteration()
+    else:
+        graph = _Graph.recorded(plan, precedences)
+        order = precedences.order
+        start, end = [0.0] * len(order), [0.0] * len(order)
+        graph.walk(order, [0.0] * len(graph.workers), end, start)
     ends = [max(end, default=0.0)]
     if iterations > 1:
         last = [ids[-1] if ids else -1 for ids in graph.ids]
@@ -105,9 +121,51 @@ def _replay(
 _new_op = tuple.__new__
 
 
+@dataclass
+class Precedences:
+    """A plan's precedence graph as :class:`_Graph` numbers it (worker by worker, in the order of
+    ``plan.live_workers``, each worker's ops in its order): every op's worker index, duration, at
+    most two predecessors with their p2p lag (-1: none) and, for an S, its step group (-1: not an
+    S); ``order`` lists every op after its predecessors; recorded for ``staggered`` and
+    ``decoupled``."""
+
+    staggered: bool
+    decoupled: bool
+    where: list[int]
+    duration: list[float]
+    dep_a: list[int]
+    lag_a: list[float]
+    dep_b: list[int]
+    lag_b: list[float]
+    group: list[int]
+    order: list[int]
+
+
 class _Graph:
     """A plan's ops numbered worker by worker, each with its duration, its at most two
     precedences (op and p2p lag; -1 for none) and, for an S, its step group."""
+
+    @classmethod
+    def recorded(cls, plan: Plan, precedences: Precedences) -> _Graph:
+        """The graph of ``plan`` from its recorded ``precedences``."""
+        graph = cls.__new__(cls)
+        graph.workers = plan.live_workers
+        graph.orders = [plan.workers[w] for w in graph.workers]
+        graph.first, graph.ids = [], []
+        first = 0
+        for ops in graph.orders:
+            graph.first.append(first)
+            graph.ids.append(list(range(first, first + len(ops))))
+            first += len(ops)
+        if first != len(precedences.where):
+            raise ValueError(f"simulator: the precedences hold {len(precedences.where)} ops, the plan {first}")
+        p = precedences
+        graph.where, graph.duration, graph.group = p.where, p.duration, p.group
+        graph.dep_a, graph.lag_a, graph.dep_b, graph.lag_b = p.dep_a, p.lag_a, p.dep_b, p.lag_b
+        graph.members = {}
+        for wi, worker in enumerate(graph.workers):
+            graph.members.setdefault(worker[1] if p.staggered else 0, []).append(wi)
+        return graph
 
     def __init__(self, plan: Plan, staggered: bool, decoupled: bool) -> None:
         costs = plan.costs
@@ -250,9 +308,9 @@ class _Graph:
             raise ValueError(f"simulator: the plan's op order deadlocks (stuck workers: {stuck})")
         return start, end, order
 
-    def walk(self, order: list[int], free: list[float], end: list[float]) -> None:
+    def walk(self, order: list[int], free: list[float], end: list[float], start: list[float] | None = None) -> None:
         """One more iteration: every worker starts at ``free`` (updated to its new end); ``end``
-        gets every op's end."""
+        (and ``start``, if given) gets every op's end (start)."""
         where, duration, group, members = self.where, self.duration, self.group, self.members
         dep_a, lag_a, dep_b, lag_b = self.dep_a, self.lag_a, self.dep_b, self.lag_b
         step_start: dict[int, float] = {}
@@ -274,9 +332,11 @@ class _Graph:
                         x = end[d] + lag_b[i]
                         if x > t:
                             t = x
+            if start is not None:
+                start[i] = t
             t += duration[i]
             end[i] = t
             free[where[i]] = t
 
 
-__all__ = ["SimResult", "retime", "retime_and_simulate", "simulate"]
+__all__ = ["Precedences", "SimResult", "retime", "retime_and_simulate", "simulate"]

@@ -11,10 +11,16 @@ from hypothesis import strategies as st
 from strategies import survivable_failures
 from streams import check_lowering
 
-from ds_recycle.planner.heuristic import DEEP_FIRST, collector_paused, plan_heuristic, reroute_moves
-from ds_recycle.planner.list_scheduler import ScheduleOptions, SchedulePolicy, list_schedule
+from ds_recycle.planner.heuristic import DEEP_FIRST, POLICIES, collector_paused, plan_heuristic, reroute_moves
+from ds_recycle.planner.list_scheduler import (
+    ScheduleOptions,
+    SchedulePolicy,
+    list_schedule,
+    list_schedule_with_precedences,
+)
 from ds_recycle.planner.lower_bound import lower_bound
-from ds_recycle.planner.plan import CostModel, Op
+from ds_recycle.planner.plan import CostModel, Op, Plan
+from ds_recycle.planner.simulate import retime_and_simulate
 from ds_recycle.planner.symmetry import Reduction
 from ds_recycle.planner.validator import validate
 
@@ -58,6 +64,33 @@ def test_planning_the_touched_pipelines_gives_the_same_plan(case):
             plan_heuristic(D, P, m, failed, costs, cap, options)
         return
     assert _same(plan_heuristic(D, P, m, failed, costs, cap, options), full)
+
+
+@settings(max_examples=40, deadline=None)
+@given(wide_cases(), st.sampled_from(sorted(POLICIES)))
+def test_the_recorded_precedences_replay_like_the_plan(case, policy):
+    D, P, m, failed, costs, cap, options = case
+    assignment = {(h, k, s): h for h in range(D) for k in range(m) for s in range(P)}
+    assignment.update(reroute_moves(D, P, m, failed))
+    cap = P if cap is None else cap
+    try:
+        workers, precedences = list_schedule_with_precedences(
+            D, P, m, assignment, costs, cap, options, policy=POLICIES[policy]
+        )
+    except ValueError:
+        return
+    assert workers == list_schedule(D, P, m, assignment, costs, cap, options, policy=POLICIES[policy])
+    extra = {"decoupled": options.decoupled, "staggered": options.staggered}
+    plan = Plan(D, P, m, tuple(failed), costs, cap, workers, extra=extra)
+    for iterations in (1, 4):
+        replayed, result = retime_and_simulate(plan, iterations)
+        recorded, same = retime_and_simulate(plan, iterations, precedences=precedences)
+        assert recorded == replayed and vars(same) == vars(result)
+    # recorded for other options, the precedences are not used
+    flipped = not options.staggered
+    other, result = retime_and_simulate(plan, 4, staggered=flipped, precedences=precedences)
+    expected, same = retime_and_simulate(plan, 4, staggered=flipped)
+    assert other == expected and vars(result) == vars(same)
 
 
 def test_reduction_keeps_the_touched_pipelines_and_one_more():
