@@ -42,8 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--preload",
         action="store_true",
-        help="import torch, deepspeed and ds_recycle.api once and fork every rank from that process: "
-        "a (re)started rank skips seconds of imports",
+        help="import torch (and torch._dynamo), deepspeed and ds_recycle.api once and fork every rank from that "
+        "process: a (re)started rank skips seconds of imports",
     )
     parser.add_argument(
         "--preload-module",

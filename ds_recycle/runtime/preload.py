@@ -30,8 +30,9 @@ import sys
 import time
 from pathlib import Path
 
-PRELOAD_MODULES = ("torch", "deepspeed", "ds_recycle.api")
-"""What ``--preload`` imports before any rank is forked (``--preload-module`` adds to it)."""
+PRELOAD_MODULES = ("torch", "torch._dynamo", "deepspeed", "ds_recycle.api")
+"""What ``--preload`` imports before any rank is forked (``--preload-module`` adds to it);
+``torch._dynamo`` is what a rank's first ``torch.optim`` optimizer imports (a second of CPU)."""
 READY_TIMEOUT_SECONDS = 300.0
 """Bound on the preloader's imports (DeepSpeed may build an op at import)."""
 REPLY_TIMEOUT_SECONDS = 30.0
@@ -264,6 +265,10 @@ def main() -> None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         os.write(replies, b"the preloaded modules initialized CUDA, which a forked rank cannot use\n")
+        raise SystemExit(1)
+    threads = len(os.listdir("/proc/self/task"))
+    if threads > 1:  # e.g. an OpenMP pool (OMP_NUM_THREADS > 1): a forked child would not have it
+        os.write(replies, f"the preloaded modules started {threads - 1} thread(s); forking is unsafe\n".encode())
         raise SystemExit(1)
     os.write(replies, b"ready\n")
     request = _serve(requests, replies)

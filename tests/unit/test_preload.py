@@ -88,7 +88,7 @@ def test_a_preloaded_rank_sees_what_an_execd_rank_sees(tmp_path):
         tmp.mkdir()
         code, output = finish(launch(tmp, SCRIPT, 4, *options))
         assert code == 1, output  # ranks 1-3 failed
-        assert ("preloaded torch, deepspeed, ds_recycle.api in" in output) == (mode == "preload"), output
+        assert ("preloaded torch, torch._dynamo, deepspeed, ds_recycle.api in" in output) == (mode == "preload"), output
         seen[mode] = [
             json.loads((tmp / "out" / f"seen{r}.json").read_text().replace(str(tmp), "RUN")) for r in range(4)
         ]
@@ -142,14 +142,24 @@ def test_preloaded_ranks_and_the_preloader_end_with_their_agent(tmp_path):
                 os.kill(int(path.read_text()), signal.SIGKILL)
 
 
-def test_a_preloader_that_cannot_import_falls_back_to_exec(tmp_path):
+@pytest.mark.parametrize(
+    "cause,options,env,why",
+    [
+        (
+            "import",
+            ["--preload-module", "broken_preload"],
+            {},
+            "importing 'broken_preload' failed: RuntimeError('cannot be imported')",
+        ),
+        ("threads", ["--preload"], {"OMP_NUM_THREADS": "4"}, "the preloaded modules started 1 thread(s)"),
+    ],
+)
+def test_a_preloader_that_cannot_fork_safely_falls_back_to_exec(tmp_path, cause, options, env, why):
     (tmp_path / "broken_preload.py").write_text("raise RuntimeError('cannot be imported')\n")
-    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    code, output = finish(launch(tmp_path, "print('ran')\n", 2, "--preload-module", "broken_preload", env=env))
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **env}
+    code, output = finish(launch(tmp_path, "print('ran')\n", 2, *options, env=env))
     assert code == 0, output
-    assert (
-        "the preloader did not start: importing 'broken_preload' failed: RuntimeError('cannot be imported')" in output
-    )
+    assert f"the preloader did not start: {why}" in output, output
     assert "starting ranks with exec from now on" in output
     assert all("ran" in (tmp_path / "logs" / f"rank{r}.log").read_text() for r in range(2))
 
