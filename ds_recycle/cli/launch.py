@@ -50,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="MODULE",
-        help="also import MODULE before forking (repeatable; implies --preload), e.g. transformers",
+        help="also import MODULE before forking (repeatable; implies --preload); only a module that does not read "
+        "the rank's environment (RANK, WORLD_SIZE, ...) at import",
     )
     parser.add_argument("--timeout", type=float, default=None, metavar="S", help="kill everything after S seconds")
     parser.add_argument("--log-dir", default=None, metavar="DIR", help="write rank<R>.log here (default: stdout)")

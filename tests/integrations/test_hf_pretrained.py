@@ -34,7 +34,7 @@ def run(request, tmp_path_factory) -> tuple[str, dict[int, dict]]:
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(CONFIGS[request.param]()).save_pretrained(out / "pretrained")
     argv = [str(WORKER), str(out / "pretrained"), str(out), STRATEGY[request.param]]
-    results = launch(argv, world_size=2, timeout=240, log_dir=out / "logs", preload=(*PRELOAD_MODULES, "transformers"))
+    results = launch(argv, world_size=2, timeout=240, log_dir=out / "logs", preload=PRELOAD_MODULES)
     for result in results:
         assert result.ok, f"rank {result.rank} exited {result.returncode}:\n{result.log[-4000:]}"
     return request.param, {rank: torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(2)}

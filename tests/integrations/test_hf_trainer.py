@@ -15,10 +15,12 @@ import pytest
 import torch
 
 from ds_recycle.runtime.launcher import launch
-from ds_recycle.runtime.preload import PRELOAD_MODULES
 
-PRELOAD = (*PRELOAD_MODULES, "transformers")
-"""The ranks import transformers too: preloaded, a respawned rank re-joins seconds sooner."""
+PRELOAD = ()
+"""Exec, not --preload: with transformers preloaded (imported with the agent's environment) the
+ranks evaluated on other data (eval losses differ from step 6 on; docs/runtime.md), and with
+torch and DeepSpeed preloaded the kill-and-re-join test failed that way once in three runs
+(not understood yet)."""
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "hf_trainer_llama.py"
