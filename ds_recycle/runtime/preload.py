@@ -21,6 +21,7 @@ the preloaded modules were imported with the agent's environment (the per-rank v
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import os
 import select
@@ -236,6 +237,21 @@ def _run(argv: list[str]) -> None:
         runpy.run_path(argv[0], run_name="__main__")
 
 
+def _warm_deepspeed() -> None:
+    """Do once what DeepSpeed's CPU backend does in every rank's ``init_distributed``: probe every
+    op builder (compiler subprocesses, about half a second of CPU) and load the shared-memory comm
+    op. The forked ranks find both in DeepSpeed's caches."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":
+        return
+    builder = accelerator.create_op_builder("ShareMemCommBuilder")
+    if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        builder.load()
+
+
 def die_with_parent() -> None:
     """SIGKILL this process when its parent (the node's agent) dies: no rank outlives its agent."""
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -262,6 +278,8 @@ def main() -> None:
     except BaseException as error:  # noqa: BLE001 - reported to the agent, which names it
         os.write(replies, f"importing {module!r} failed: {error!r}\n".encode())
         raise SystemExit(1) from None
+    if "deepspeed" in sys.modules:
+        _warm_deepspeed()
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         os.write(replies, b"the preloaded modules initialized CUDA, which a forked rank cannot use\n")
@@ -270,10 +288,14 @@ def main() -> None:
     if threads > 1:  # e.g. an OpenMP pool (OMP_NUM_THREADS > 1): a forked child would not have it
         os.write(replies, f"the preloaded modules started {threads - 1} thread(s); forking is unsafe\n".encode())
         raise SystemExit(1)
+    # The imported objects move to the collector's permanent generation: a rank's collections,
+    # and the final ones at its exit (a second of CPU per rank otherwise), skip them, and leave
+    # their copy-on-write pages shared with this process (CPython's advice for fork servers).
+    gc.freeze()
     os.write(replies, b"ready\n")
     request = _serve(requests, replies)
     if request is None:
-        return
+        os._exit(0)  # nothing is buffered; tearing down torch's modules would take the agent a second
     _become_rank(request, agent)
     _run(request["argv"])
 
