@@ -5,7 +5,8 @@
 It trains the tiny GPT (2 stages x 3 pipelines, 6 ranks) through ``ds-recycle launch --respawn``,
 SIGKILLs worker (pipeline 1, stage 1) in the middle of an iteration, and lets the launcher respawn
 it: the survivors roll the interrupted iteration back, re-route its micro-batches to the other
-pipelines' stage 1, and the respawned process re-joins from a live replica a few seconds later.
+pipelines' stage 1, and the respawned process re-joins from a live replica a few seconds later
+(``--preload``: the ranks are forked from a process that imported torch and DeepSpeed once).
 Then it runs the same job without a failure and compares: every loss, every parameter, and the
 throughput before, during and after the failure. It writes ``OUT/demo.png`` (loss and throughput
 over iterations, the failure and the re-join marked) and ``OUT/summary.json``.
@@ -63,6 +64,7 @@ class Run:
         config.write_text(json.dumps(CONFIG))
         launcher = [sys.executable, "-m", "ds_recycle.cli", "launch", "--nproc", str(PIPELINES * STAGES)]
         launcher += ["--respawn"] if respawn else []
+        launcher += ["--preload"]  # ranks forked from one process that imported torch and DeepSpeed
         self.events = LaunchEvents(self.dir / "events.jsonl")
         launcher += ["--timeout", "600", "--log-dir", str(self.dir / "logs"), "--events", str(self.events.path)]
         script = [str(ROOT / "examples" / "train_gpt.py"), "--deepspeed_config", str(config)]

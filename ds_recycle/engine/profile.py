@@ -13,7 +13,8 @@ iteration.
 
 A stage's cost of a kind is the lower median of its replicas' medians (the faster of two, the
 second of four), so that one slow replica does not set its stage's cost. A worker's slowdown is
-its F + B + W against the lower median of its stage peers'; above ``recycle.stragglers.threshold``
+its F + B + W against the lower median of its stage peers', once it and they were measured over a
+full window (fewer iterations on a busy host are noise); above ``recycle.stragglers.threshold``
 for ``patience`` agreements in a row it is planned as a straggler (``CostModel.slow``), and below
 ``1 + (threshold - 1) / 2`` for as many it is released. Being slow never fails a worker. Costs
 that drift beyond ``recycle.profile.drift`` in two agreements in a row re-plan.
@@ -99,7 +100,8 @@ def agree(
             vector[0] = torch.tensor(state, dtype=torch.float64, device=device)
         all_reduce(vector)
         tracker.load_state(vector[0].tolist(), pipelines)
-    return AgreedProfile.from_table([r[:ROW] for r in table], pipelines, stages, tracker.stragglers)
+    rows = [r[:ROW] for r in table]
+    return AgreedProfile.from_table(rows, pipelines, stages, tracker.stragglers, judged_after=tracker.config.window)
 
 
 def _lower_median(values: list[float]) -> float:
@@ -123,17 +125,25 @@ class AgreedProfile:
     """Stages with a measurement only; a stage's S is its fastest replica's (the others wait for it)."""
     slowdown: dict[Worker, float]
     """Each measured worker's F + B + W against the lower median of its stage peers' (1.0 alone),
-    from lower quartiles: a busy host only ever delays an op, a straggler delays every op."""
+    from lower quartiles: a busy host only ever delays an op, a straggler delays every op. Only
+    workers measured over ``judged_after`` iterations, against peers measured as long."""
 
     @classmethod
     def from_table(
-        cls, table: list[list[float]], pipelines: int, stages: int, stragglers: dict[Worker, float] | None = None
+        cls,
+        table: list[list[float]],
+        pipelines: int,
+        stages: int,
+        stragglers: dict[Worker, float] | None = None,
+        judged_after: int = 1,
     ) -> AgreedProfile:
         """``stragglers``: the workers planned as stragglers and their factors. A stage's costs come
         from its other replicas; from a straggler's measurements divided by its factor only when no
         other replica of the stage was measured (its peers failed), and a worker without a
         measured peer has no slowdown (nothing to compare with: it is neither detected nor
-        released)."""
+        released). ``judged_after``: the iterations a worker's row must span for its slowdown to
+        be taken (the engine's: a full window; the medians of one or two iterations on a busy host
+        are noise)."""
         stragglers = stragglers or {}
         F: dict[int, float] = {}
         B: dict[int, float] = {}
@@ -150,8 +160,8 @@ class AgreedProfile:
             B[s] = _round(_lower_median([r[1] for r in scaled.values()]))
             W[s] = _round(_lower_median([r[2] for r in scaled.values()]))
             S[s] = _round(min(r[3] for r in rows.values()))
-            work = {p: sum(r[QUARTILE : QUARTILE + 3]) for p, r in rows.items()}
-            for p in rows:
+            work = {p: sum(r[QUARTILE : QUARTILE + 3]) for p, r in rows.items() if r[COUNT] >= judged_after}
+            for p in work:
                 peers = [w for o, w in work.items() if o != p]
                 reference = _lower_median(peers) if peers else 0.0
                 if reference > 0:

@@ -1,7 +1,7 @@
 """A straggler in a real ``ds-recycle launch`` job on gloo, through a failure and a re-join.
 
 pp=2 x dp=2, every op padded to 8 ms and worker (1, 1)'s to 2.5x that. The straggler is planned
-around after the profile's warm-up; then its stage peer (0, 1) is SIGKILLed mid-iteration (the
+around after the profile's warm-up and a full window; then its stage peer (0, 1) is SIGKILLed mid-iteration (the
 straggler must now run everything of its stage), respawned and re-joined: the joiner starts with a
 fresh cost tracker and must take over the others' (the straggler is handed work away again), or
 the ranks would plan differently and hang. The job ends with every parameter, optimizer state and
@@ -31,9 +31,12 @@ from ds_recycle.testing.tiny import ds_config
 
 pytestmark = pytest.mark.multiprocess
 
-STEPS = 14
+STEPS = 24
 PP, DP = 2, 2
 STRAGGLER = (1, 1)
+FAIL_AT = 9
+"""The peer's failure: after the straggler is planned around (a full window of 4 iterations after
+the warm-up of 2, then 2 agreements in a row: from iteration 7 on)."""
 
 
 def test_a_straggler_stays_planned_around_through_a_failure_and_a_rejoin(tmp_path, tmp_path_factory):
@@ -41,7 +44,7 @@ def test_a_straggler_stays_planned_around_through_a_failure_and_a_rejoin(tmp_pat
     timing = {**EMULATION["emulate_timing"], "slowdown": [[*STRAGGLER, 2.5]]}
     config = ds_config(M, CLIP, {"enabled": True, "emulate_timing": timing})
     peer = slot(DP, 0, 1)
-    job = Job(tmp_path, PP, DP, STEPS, config, "adam", traps=[f"{peer}:B:6"])
+    job = Job(tmp_path, PP, DP, STEPS, config, "adam", traps=[f"{peer}:B:{FAIL_AT}"])
     job.start()
     try:
         joins = {peer: job.count_events("accepted", kind="join", slot=peer)}
@@ -60,4 +63,4 @@ def test_a_straggler_stays_planned_around_through_a_failure_and_a_rejoin(tmp_pat
     straggler = final_states(job.records())[slot(DP, *STRAGGLER)]
     own = Counter(entry[0] for entry in straggler["ledger"])
     handed = [i for i in range(STEPS) if own[i] < M]
-    assert any(i < 6 for i in handed) and any(i > iteration + 2 for i in handed), (handed, iteration)
+    assert any(i < FAIL_AT for i in handed) and any(i > iteration + 2 for i in handed), (handed, iteration)

@@ -69,6 +69,18 @@ def test_the_agreed_profile_ignores_one_slow_replica_and_names_it():
     assert (3, 0) not in AgreedProfile.from_table(table(rows, 4, 2), 4, 2).slowdown
 
 
+def test_a_slowdown_is_judged_only_over_a_full_window_of_the_worker_and_its_peers():
+    rows = table(uniform_rows(2, 2, rows={(1, 1): (20.0, 20.0, 10.0)}), 2, 2)  # one iteration each
+    assert AgreedProfile.from_table(rows, 2, 2, judged_after=1).slowdown[(1, 1)] == pytest.approx(2.0)
+    short = AgreedProfile.from_table(rows, 2, 2, judged_after=2)
+    assert short.slowdown == {} and short.F == {0: 10.0, 1: 10.0}, "costs are taken, slowdowns are not"
+    longer = OpTimes(2)
+    for _ in range(2):
+        longer.record(events(20.0, 20.0, 10.0))
+    rows[1 * 2 + 1] = longer.row()
+    assert AgreedProfile.from_table(rows, 2, 2, judged_after=2).slowdown == {}, "its peer spans one iteration"
+
+
 def tracker(base: CostModel | None = None, measured: bool = True, **straggler) -> CostTracker:
     config = StragglerConfig(**{"threshold": 1.3, "patience": 2, **straggler})
     return CostTracker(base or CostModel.uniform(2, 10, 10, 5), ProfileConfig(), config, measured=measured)
