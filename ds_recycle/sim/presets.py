@@ -141,13 +141,15 @@ def get_model(name: str, tp: int | None = None) -> ModelSpec:
 
 
 def _load(path: Path) -> ModelSpec:
+    names = {f.name for f in fields(ModelSpec)}
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read model file {path}: {exc}") from None
     except json.JSONDecodeError as exc:
-        raise ValueError(f"model file {path} is not JSON: {exc}") from None
-    names = {f.name for f in fields(ModelSpec)}
+        raise ValueError(
+            f"model file {path} is not JSON ({exc}): expected an object with the keys {sorted(names)}"
+        ) from None
     if not isinstance(data, dict) or set(data) - names:
         raise ValueError(f"model file {path}: expected an object with the keys {sorted(names)}")
     data.setdefault("name", path.stem)
