@@ -1,9 +1,30 @@
 #!/usr/bin/env bash
-# The test suite: pure tests, then real multi-process DeepSpeed engines on gloo.
+# The test suite: pure tests and real multi-process DeepSpeed engines on gloo.
+#   bash scripts/test.sh           the whole suite, in two pytest processes side by side: the tests
+#                                  that start real ranks (marker multiprocess) one after the other,
+#                                  and the pure tests beside them, on the CPU the jobs leave idle
+#                                  while they wait on each other; exit 0 only if both pass
+#   bash scripts/test.sh ARGS...   one pytest process with these arguments
+# PYTEST_ADDOPTS adds options to both (e.g. --durations=30).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DS_ACCELERATOR=cpu
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}"  # see bootstrap.sh
-# Two workers: the multiprocess tests one after the other on one, the pure tests on the other
-# (tests/conftest.py). Arguments after the script's name go to pytest (-n 0: serial).
-exec .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup "$@"
+pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider)
+if [ "$#" -gt 0 ]; then
+  exec "${pytest[@]}" "$@"
+fi
+pure_log="$(mktemp)"
+"${pytest[@]}" -m "not multiprocess" >"$pure_log" 2>&1 &
+pure=$!
+trap 'kill "$pure" 2>/dev/null || true; rm -f "$pure_log"' EXIT
+echo "== tests that start real ranks (the pure tests run beside them; their report follows)"
+jobs_status=0
+"${pytest[@]}" -m multiprocess || jobs_status=$?
+pure_status=0
+wait "$pure" || pure_status=$?
+echo "== pure tests"
+cat "$pure_log"
+echo "== multiprocess tests: exit $jobs_status; pure tests: exit $pure_status"
+if [ "$jobs_status" -ne 0 ]; then exit "$jobs_status"; fi
+exit "$pure_status"
