@@ -15,7 +15,16 @@ import signal
 
 import pytest
 
-from ds_recycle.testing.jobs import Job, assert_same_as_fault_free, fault_free, hold_degraded, job_config, rejoin, slot
+from ds_recycle.testing.jobs import (
+    DEGRADED_ITERATIONS,
+    Job,
+    assert_same_as_fault_free,
+    fault_free,
+    hold_degraded,
+    job_config,
+    rejoin,
+    slot,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -57,19 +66,28 @@ def test_a_leaver_killed_before_its_boundary_and_a_joiner_killed_while_pending(t
     """A middle-stage worker parked in F gets SIGTERM (its leave is accepted), then SIGKILL before
     its boundary: the survivors roll back and re-run the iteration without it, with no wait for the
     detect timeout. Its respawn asks to join while the survivors are held; it is SIGKILLed while
-    that join is pending: the survivors do not notice (no recovery), and the next respawn re-joins."""
+    that join is pending: the survivors do not notice (no recovery), and the next respawn re-joins.
+    The respawn waits at its gate until the survivors are held (a preloaded respawn asks within a
+    second, and its join could otherwise be decided at a boundary before the test's SIGKILL)."""
     reference = fault_free(tmp_path_factory, PP, DP, STEPS, "adam", DATA)
     leaver = slot(DP, 0, 1)
     job = Job(tmp_path, PP, DP, STEPS, job_config(), "adam", data=DATA, traps=[f"{leaver}:F:3"])
+    job.worker_args = ["--gate"]
+    gate = job.out / f"gate{leaver}"
     job.start()
     try:
         job.wait_until(lambda: (job.out / f"trapped{leaver}").exists(), f"slot {leaver} to reach its trap")
         job.signal_tree_at([leaver], 0, signal.SIGTERM)
         job.wait_for_event("accepted", kind="leave", slot=leaver)
+        gate.touch()
         job.signal_tree_at([leaver], 0, signal.SIGKILL)
         job.wait_for_event("published_failure", slot=leaver, why="signal SIGKILL while leaving")
         iteration = max(job.progress(s) for s in range(PP * DP))
         hold_degraded(job, iteration)
+        survivors = [s for s in range(PP * DP) if s != leaver]
+        held = iteration + DEGRADED_ITERATIONS
+        job.wait_until(lambda: all(job.progress(s) >= held for s in survivors), "the survivors to be held")
+        gate.unlink()
         job.wait_for_event("accepted", kind="join", slot=leaver)
         recoveries = job.count_in_rank_logs(r"recovery decision")
         job.signal_tree_at([leaver], 0, signal.SIGKILL)  # the respawn: it started before it asked
