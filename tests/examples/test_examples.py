@@ -25,7 +25,7 @@ pytestmark = pytest.mark.multiprocess
 def test_the_failure_demo_survives_a_kill_and_the_worker_rejoins(tmp_path):
     out = tmp_path / "demo"
     command = [sys.executable, str(ROOT / "examples" / "failure_demo.py"), "--out", str(out)]
-    command += ["--steps", "36", "--kill-at", "8"]
+    command += ["--steps", "30", "--kill-at", "8"]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "MPLBACKEND": "Agg"}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
