@@ -84,6 +84,7 @@ from ds_recycle.testing.jobs import (
     rejoin,
     run_fault_free,
     slot,
+    wait_until_held,
     worst_parameter_difference,
 )
 
@@ -349,9 +350,7 @@ def crash_pending_joiner(job: Job, fault: Fault, iteration: int, joins: dict[int
     process or group) as soon as its join is accepted: the join is still pending, since the
     survivors decide joins at their next boundary."""
     s = fault.slots[0]
-    survivors = [t for t in range(job.pp * job.dp) if t not in fault.slots]
-    held = iteration + DEGRADED_ITERATIONS
-    job.wait_until(lambda: min(job.progress(t) for t in survivors) >= held, "the survivors at the hold")
+    wait_until_held(job, iteration, fault.slots)
     (job.out / f"gate{s}").unlink()
     joiner = job.wait_for_event("accepted", joins[s] + 1, timeout=180, kind="join", slot=s)
     failures = job.count_events("published_failure", slot=s)

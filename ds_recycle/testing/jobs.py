@@ -300,6 +300,14 @@ def hold_degraded(job: Job, iteration: int) -> None:
     job.hold(iteration + DEGRADED_ITERATIONS)
 
 
+def wait_until_held(job: Job, iteration: int, away: list[int]) -> None:
+    """After :func:`hold_degraded` at ``iteration``: wait until every slot but ``away`` has run up
+    to the hold and waits there (a respawn let in now asks while no boundary decides its join)."""
+    held = iteration + DEGRADED_ITERATIONS
+    survivors = [s for s in range(job.pp * job.dp) if s not in away]
+    job.wait_until(lambda: min(job.progress(s) for s in survivors) >= held, "the survivors at the hold")
+
+
 def rejoin(job: Job, slots: list[int], iteration: int, joins: dict[int, int]) -> None:
     """After :func:`hold_degraded` at ``iteration``: wait until the respawns of ``slots`` are
     accepted (``joins``: accepted joins per slot before), then let everyone train."""

@@ -16,7 +16,6 @@ import signal
 import pytest
 
 from ds_recycle.testing.jobs import (
-    DEGRADED_ITERATIONS,
     Job,
     assert_same_as_fault_free,
     fault_free,
@@ -24,6 +23,7 @@ from ds_recycle.testing.jobs import (
     job_config,
     rejoin,
     slot,
+    wait_until_held,
 )
 
 pytestmark = pytest.mark.multiprocess
@@ -84,9 +84,7 @@ def test_a_leaver_killed_before_its_boundary_and_a_joiner_killed_while_pending(t
         job.wait_for_event("published_failure", slot=leaver, why="signal SIGKILL while leaving")
         iteration = max(job.progress(s) for s in range(PP * DP))
         hold_degraded(job, iteration)
-        survivors = [s for s in range(PP * DP) if s != leaver]
-        held = iteration + DEGRADED_ITERATIONS
-        job.wait_until(lambda: all(job.progress(s) >= held for s in survivors), "the survivors to be held")
+        wait_until_held(job, iteration, [leaver])
         gate.unlink()
         job.wait_for_event("accepted", kind="join", slot=leaver)
         recoveries = job.count_in_rank_logs(r"recovery decision")

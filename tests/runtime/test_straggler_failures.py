@@ -1,11 +1,12 @@
 """A straggler in a real ``ds-recycle launch`` job on gloo, through a failure and a re-join.
 
 pp=2 x dp=2, every op padded to 8 ms and worker (1, 1)'s to 2.5x that. The straggler is planned
-around after the profile's warm-up and a full window; then its stage peer (0, 1) is SIGKILLed mid-iteration (the
-straggler must now run everything of its stage), respawned and re-joined: the joiner starts with a
-fresh cost tracker and must take over the others' (the straggler is handed work away again), or
-the ranks would plan differently and hang. The job ends with every parameter, optimizer state and
-loss equal to the fault-free run's and every micro-batch once per stage and iteration.
+around after the profile's warm-up and a full window; then its stage peer (0, 1) is SIGKILLed
+mid-iteration (the straggler must now run everything of its stage), respawned and re-joined: the
+joiner starts with a fresh cost tracker and must take over the others' (the straggler is handed work
+away again), or the ranks would plan differently and hang. The job ends with every parameter,
+optimizer state and loss equal to the fault-free run's and every micro-batch once per stage and
+iteration.
 """
 
 from __future__ import annotations
