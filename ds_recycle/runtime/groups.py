@@ -10,14 +10,27 @@ parts of DeepSpeed's grid API that the engine uses, so it replaces ``engine.grid
 Every epoch gets a fresh world on its own store prefix (``world/<epoch>/``): the old default group
 is destroyed and its groups are kept in a graveyard, never reused and never released from a thread
 that might block on them (docs/design.md, "Process groups").
+
+Every group ReCycle makes connects lazily (gloo's ``TORCH_GLOO_LAZY_INIT``): creating it publishes
+this rank's address and returns, and a pair of ranks connects at its first op. An eager gloo group
+waits in its constructor, a C++ store wait that nothing can interrupt, for every member's address:
+a member that died after the epoch was entered held every survivor there for the group timeout.
+Lazily, that wait happens inside an op. A collective runs in gloo's worker thread, but a p2p op
+connects in the calling thread, so every member starts each world with one all-to-all
+(:func:`connect_all_pairs`): it connects every pair of the world in gloo's thread while the rank
+waits for it against the failure flag (``runtime/waiting.py``), as for any collective.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
@@ -38,18 +51,54 @@ def bury(objects) -> None:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
+LAZY_INIT_VARIABLE = "TORCH_GLOO_LAZY_INIT"
+
+
+@contextlib.contextmanager
+def lazy_connections() -> Iterator[None]:
+    """gloo groups created inside connect lazily (torch reads the variable at each creation)."""
+    before = os.environ.get(LAZY_INIT_VARIABLE)
+    os.environ[LAZY_INIT_VARIABLE] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[LAZY_INIT_VARIABLE]
+        else:
+            os.environ[LAZY_INIT_VARIABLE] = before
+
+
+def new_group(ranks: list[int], timeout: float):
+    """A subgroup of the current world that connects lazily."""
+    with lazy_connections():
+        return dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout))
+
+
 def rebuild_world(store, membership: Membership, slot: int, timeout: float = GROUP_TIMEOUT_SECONDS) -> None:
-    """Leave the current world (if any) and join the world of ``membership`` on its own prefix."""
+    """Leave the current world (if any) and join the world of ``membership`` on its own prefix.
+    Returns at once: the world connects lazily.
+
+    The world gets its own connection to the store (``store.clone()``): gloo looks up a peer's
+    address in its own threads, and a lookup of a dead peer's address blocks its connection until
+    the group timeout; on the caller's connection it would block the membership protocol too."""
     if dist.is_initialized():
         bury(c10d._world.pg_map.keys())
         dist.destroy_process_group()
-    dist.init_process_group(
-        "gloo",
-        store=dist.PrefixStore(proto.world_prefix(membership.epoch), store),
-        rank=membership.members.index(slot),
-        world_size=len(membership.members),
-        timeout=datetime.timedelta(seconds=timeout),
-    )
+    with lazy_connections():
+        dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore(proto.world_prefix(membership.epoch), store.clone()),
+            rank=membership.members.index(slot),
+            world_size=len(membership.members),
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+
+
+def connect_all_pairs():
+    """Start an all-to-all over the current world, which connects every pair of its ranks; returns
+    its work handle (wait for it with ``Waiter.collective``)."""
+    size = dist.get_world_size()
+    return dist.all_to_all_single(torch.empty(size), torch.zeros(size), async_op=True)
 
 
 @dataclass
@@ -68,14 +117,13 @@ class RecycleGrid:
     def build(cls, topo, membership: Membership, slot: int, timeout: float) -> RecycleGrid:
         """Create this epoch's groups; every member calls it in the same order."""
         grid = cls(topo, membership, slot, timeout)
-        td = datetime.timedelta(seconds=timeout)
         for stage in range(grid.pipe_parallel_size):
             ranks = [grid.rank_of(w) for w in grid.live_workers(stage)]
-            grid.stage_groups[stage] = dist.new_group(ranks, timeout=td)
+            grid.stage_groups[stage] = new_group(ranks, timeout)
         for pipeline in range(grid.data_parallel_size):
             stages = [(pipeline, s) for s in range(grid.pipe_parallel_size)]
             if all(grid.is_live(w) for w in stages):
-                grid.pipe_groups[pipeline] = dist.new_group([grid.rank_of(w) for w in stages], timeout=td)
+                grid.pipe_groups[pipeline] = new_group([grid.rank_of(w) for w in stages], timeout)
         return grid
 
     # ---- the logical topology ------------------------------------------------------------

@@ -22,6 +22,7 @@ instruction streams; everything about membership happens here, top-down, in
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import os
 import time
@@ -35,9 +36,9 @@ from ds_recycle.log import logger
 from ds_recycle.runtime import exit_guard, placement, rejoin, reporting
 from ds_recycle.runtime import protocol as proto
 from ds_recycle.runtime.events import MembershipChange
-from ds_recycle.runtime.groups import GROUP_TIMEOUT_SECONDS, RecycleGrid, rebuild_world
+from ds_recycle.runtime.groups import GROUP_TIMEOUT_SECONDS, RecycleGrid, connect_all_pairs, rebuild_world
 from ds_recycle.runtime.membership import EpochSuperseded, MembershipAgent
-from ds_recycle.runtime.protocol import RESTART_EXIT_CODE, STOP_EXIT_CODE, Decision, Membership, Progress
+from ds_recycle.runtime.protocol import RESTART_EXIT_CODE, STOP_EXIT_CODE, Change, Decision, Membership, Progress
 from ds_recycle.runtime.waiting import FailureWatcher, PeerFailure
 
 MAX_RECOVERY_ROUNDS = 8
@@ -58,7 +59,11 @@ class Phase(enum.Enum):
       slot left).
     - ``RECOVERING`` -> ``ENTERING`` (the survivors agreed on the restart iteration and this rank
       rolled back to it) or ``LEFT`` (this slot's leave was decided with the failure).
-    - ``ENTERING`` -> ``TRAINING``; -> ``RECOVERING`` when a failure interrupts it.
+    - ``ENTERING`` -> ``BUILDING`` once every member counted itself in: the world and the groups
+      are made (they connect lazily, in ops waited for against the failure flag), joiners get
+      their state.
+    - ``BUILDING`` -> ``TRAINING``. ``ENTERING`` or ``BUILDING`` -> ``RECOVERING`` when a failure
+      interrupts it.
     - any phase -> ``STOPPED`` when a stage has no live worker left.
     """
 
@@ -68,6 +73,7 @@ class Phase(enum.Enum):
     DECIDING = "deciding"
     RECOVERING = "recovering"
     ENTERING = "entering"
+    BUILDING = "building"
     LEFT = "left"
     STOPPED = "stopped"
 
@@ -170,6 +176,7 @@ class RankRuntime:
         self.check_placement()
         self.agent.start_heartbeat()
         self._start_watcher()
+        self._connect()
         self.agent.install_leave_handler()
         if self.engine.is_lowest_live_rank():
             self.publish_status()
@@ -264,10 +271,15 @@ class RankRuntime:
         self._enter_phase(Phase.ENTERING)
         announced = (lambda: False) if self.watcher is None else self.watcher.flag.is_set
         self.agent.enter(membership, announced, GROUP_TIMEOUT_SECONDS)
+        self._enter_phase(Phase.BUILDING)
         rebuild_world(self.agent.store, membership, self.engine.slot, GROUP_TIMEOUT_SECONDS)
+        self._connect()
         grid = RecycleGrid.build(self.engine.module._topo, membership, self.engine.slot, GROUP_TIMEOUT_SECONDS)
         self.engine.install_grid(grid)
         rejoin.transfer_state(self.engine, grid, previous_members)
+
+    def _connect(self) -> None:
+        self.engine.waiter.collective(connect_all_pairs, "connecting every pair of the world")
 
     # ---- recovery from an unplanned failure ------------------------------------------------------
 
@@ -288,6 +300,11 @@ class RankRuntime:
         engine = self.engine
         detected = self.watcher.raised_at or time.time()
         logger.info(f"ReCycle: slot {engine.slot} stopped by a failure at iteration {engine.global_steps}: {failure}")
+        # A round whose epoch is not entered to the end is reported with the round that is: one line
+        # from the epoch this recovery started in, with every change decided on the way.
+        reported_from = reporting.Before.of(engine)
+        decided: tuple[Change, ...] = ()
+        rolled_back = False
         for _ in range(MAX_RECOVERY_ROUNDS):
             before = reporting.Before.of(engine)
             progress = Progress(engine.global_steps, engine.stepped_inflight)
@@ -298,8 +315,9 @@ class RankRuntime:
                 f"{list(decision.next.members)}, restart at iteration {decision.iteration} (this slot finished "
                 f"{progress.done}, stepped in flight: {progress.stepped})"
             )
+            decided += decision.changes
             began = time.time()
-            rolled_back = engine.roll_back_to(decision.iteration)
+            rolled_back = engine.roll_back_to(decision.iteration) or rolled_back
             if engine.slot not in decision.next.members:
                 logger.info(f"ReCycle: slot {engine.slot} left the job in its recovery at iteration {progress.done}")
                 self._leave()
@@ -312,7 +330,13 @@ class RankRuntime:
                 logger.info(f"ReCycle: slot {engine.slot}: another failure during recovery ({again}); deciding again")
                 continue
             engine.check_data_available()
-            self._report(decision, before, began, detected=detected, rolled_back=rolled_back)
+            self._report(
+                dataclasses.replace(decision, changes=decided),
+                reported_from,
+                began,
+                detected=detected,
+                rolled_back=rolled_back,
+            )
             self._enter_phase(Phase.TRAINING)
             return
         raise RuntimeError(f"ReCycle: no consistent epoch after {MAX_RECOVERY_ROUNDS} recovery rounds")

@@ -8,17 +8,19 @@ A training loop above the engine (the HF Trainer) sends its own state along: the
 ``engine.rejoin_client_state()`` (picklable) arrives as the joiner's ``engine.received_client_state``.
 
 Each (source, joiner) pair gets a two-rank group; every member creates the pairs' groups in the
-same order, whether or not it takes part in a transfer.
+same order, whether or not it takes part in a transfer. The copy runs under the engine's
+:class:`~ds_recycle.runtime.waiting.Waiter`: a source whose joiner dies stops at the announced
+failure instead of blocking in a broadcast until the group timeout.
 """
 
 from __future__ import annotations
 
-import datetime
+import functools
 
 import torch
 import torch.distributed as dist
 
-from ds_recycle.runtime.groups import RecycleGrid
+from ds_recycle.runtime.groups import RecycleGrid, new_group
 
 COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
 
@@ -33,9 +35,12 @@ def transfer_state(engine, grid: RecycleGrid, previous_members: tuple[int, ...])
             raise RuntimeError(f"slot {joiner} joins stage {stage}, which has no live worker to copy its state from")
         source = grid.slot_of(sources[0])
         ranks = [grid.membership.members.index(source), grid.membership.members.index(joiner)]
-        group = dist.new_group(sorted(ranks), timeout=datetime.timedelta(seconds=grid.timeout))
+        group = new_group(sorted(ranks), grid.timeout)
         if grid.slot in (source, joiner):
-            _copy(engine, group, src_rank=ranks[0], sending=grid.slot == source)
+            engine.waiter.blocking(
+                functools.partial(_copy, engine, group, src_rank=ranks[0], sending=grid.slot == source),
+                f"the state transfer from slot {source} to slot {joiner}",
+            )
 
 
 def _copy(engine, group, src_rank: int, sending: bool) -> None:

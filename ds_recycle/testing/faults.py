@@ -3,7 +3,9 @@ sent from outside (by a test or a benchmark) lands exactly there while the rank'
 
 Points: ``F``, ``B``, ``W`` (before the iteration's first instruction of that kind), ``allreduce``
 (before the data-parallel all-reduce), ``stepped`` (right after the stage's StaggeredStep),
-``recovery`` (when the rank's runtime enters ``Phase.RECOVERING``, at or after the iteration) and
+``recovery`` (when the rank's runtime enters ``Phase.RECOVERING``, at or after the iteration),
+``building`` (when it enters ``Phase.BUILDING``: every member of the new epoch counted itself in,
+no group of it exists yet; at or after the iteration) and
 ``checkpoint`` (inside DeepSpeed's ``save_checkpoint`` after its first barrier, before this rank
 writes its files; the iteration is the one just finished).
 
@@ -29,7 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-POINTS = ("F", "B", "W", "allreduce", "stepped", "recovery", "checkpoint")
+POINTS = ("F", "B", "W", "allreduce", "stepped", "recovery", "building", "checkpoint")
+AT_OR_AFTER = ("recovery", "building")
+"""Points armed from their iteration on (they happen only when the membership changes)."""
 PARK_SECONDS = 120.0
 """A parked rank goes on by itself after this long (the driver's signal normally ends it first)."""
 
@@ -65,7 +69,7 @@ class Trap:
     def armed(self, point: str, iteration: int) -> bool:
         if point != self.point:
             return False
-        return iteration >= self.iteration if point == "recovery" else iteration == self.iteration
+        return iteration >= self.iteration if point in AT_OR_AFTER else iteration == self.iteration
 
 
 class FaultPlan:
@@ -160,10 +164,11 @@ class FaultPlan:
                 return write(*args, **kwargs)
 
             engine._save_checkpoint = trapped_write
-        if "recovery" in points:
-            engine.runtime.phase_listeners.append(
-                lambda phase: self._check("recovery") if phase is Phase.RECOVERING else None
-            )
+        for point, phase in (("recovery", Phase.RECOVERING), ("building", Phase.BUILDING)):
+            if point in points:
+                engine.runtime.phase_listeners.append(
+                    lambda entered, point=point, phase=phase: self._check(point) if entered is phase else None
+                )
 
 
 def _leave_requested() -> bool:

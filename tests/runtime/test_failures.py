@@ -177,10 +177,16 @@ def test_a_failure_and_a_join_decided_in_one_recovery(tmp_path, tmp_path_factory
     reference = fault_free(tmp_path_factory, pp, dp, STEPS, "sgd")
     joiner, victim = slot(dp, 1, 2), slot(dp, 0, 0)
     job = Job(tmp_path, pp, dp, STEPS, job_config(), "sgd", traps=[f"{joiner}:F:3"])
+    job.worker_args = ["--gate"]  # a preloaded respawn asks at once: its join would be decided at boundary 4
+    gate = job.out / f"gate{joiner}"
     job.hold(4)
     job.start()
     try:
+        gate.touch()
         job.signal_when_trapped(joiner)
+        others = [s for s in range(pp * dp) if s != joiner]
+        job.wait_until(lambda: min(job.progress(s) for s in others) >= 4, "the survivors at the hold")
+        gate.unlink()
         job.wait_for_event("accepted", kind="join", slot=joiner)
         os.kill(job.pids[victim], signal.SIGKILL)
         job.wait_for_event("published_failure", slot=victim)
@@ -194,6 +200,29 @@ def test_a_failure_and_a_join_decided_in_one_recovery(tmp_path, tmp_path_factory
     check(job, reference, 2)
     survivor = (tmp_path / "logs" / f"rank{slot(dp, 1, 0)}.log").read_text()
     assert "failed [(0, 0)] joined [(1, 2)]" in survivor, survivor[-3000:]
+
+
+def test_a_member_killed_after_every_member_entered_the_new_epoch(tmp_path, tmp_path_factory):
+    """pp=2 x dp=2: worker (0, 1) is killed during F of iteration 3; worker (1, 0) parks once every
+    survivor has counted itself into the recovery's epoch, before any of its groups exist, and is
+    killed there. The other survivors must not wait for it in the world's construction (an eager
+    gloo group waits for every member's address in a C++ store wait, for the group timeout: seen
+    in CI); they stop in the all-to-all that connects the new world, decide again without it, and
+    report both failures in one line (the first round's epoch was never entered). Both re-join."""
+    pp, dp = 2, 2
+    reference = fault_free(tmp_path_factory, pp, dp, STEPS, "adam")
+    first, building = slot(dp, 0, 1), slot(dp, 1, 0)
+    job = Job(tmp_path, pp, dp, STEPS, job_config(), "adam", traps=[f"{first}:F:3", f"{building}:building:3"])
+    job.start()
+    try:
+        run_faults(job, [([first, building], signal.SIGKILL)])
+    except BaseException:
+        job.kill()
+        raise
+    check(job, reference, 2)
+    survivor = (tmp_path / "logs" / f"rank{slot(dp, 0, 0)}.log").read_text()
+    assert "another failure during recovery" in survivor, survivor[-3000:]
+    assert "epoch 2 from iteration 3: left [] failed [(0, 1), (1, 0)] joined []" in survivor, survivor[-3000:]
 
 
 def test_a_failure_while_a_checkpoint_is_written_is_recovered_and_latest_stays_whole(tmp_path, tmp_path_factory):
