@@ -169,4 +169,17 @@ def _resolve_config(args, config):
         config = from_args
     if config is None:
         raise ValueError("a DeepSpeed config is required: pass config= (dict or path) or --deepspeed_config")
-    return load_ds_config(config)
+    if isinstance(config, dict):
+        return load_ds_config(config)
+    is_file = isinstance(config, (str, os.PathLike)) and os.path.isfile(config)
+    try:
+        return load_ds_config(str(config) if is_file else config)
+    except OSError as error:
+        raise RecycleConfigError(f"the DeepSpeed config file {config} cannot be read: {error}") from error
+    except ValueError as error:  # hjson's decode errors (NaN and Infinity are not JSON either)
+        if is_file:
+            raise RecycleConfigError(f"the DeepSpeed config file {config} is not valid JSON: {error}") from error
+        raise RecycleConfigError(
+            f"the DeepSpeed config must be a dict, the path of an existing JSON file or base64-encoded JSON; "
+            f"got {config!r}"
+        ) from error

@@ -202,6 +202,39 @@ def test_a_failure_and_a_join_decided_in_one_recovery(tmp_path, tmp_path_factory
     assert "failed [(0, 0)] joined [(1, 2)]" in survivor, survivor[-3000:]
 
 
+def test_a_failure_mid_iteration_and_a_pending_join_decided_in_one_recovery(tmp_path, tmp_path_factory):
+    """pp=3 x dp=2: worker (1, 2) is killed during F of iteration 3; its respawn waits at its gate
+    until worker (0, 0) parks in W of iteration 5 (the lone stage-2 worker has stepped iteration 5
+    optimistically by then), then asks to join; (0, 0) is killed. One recovery removes (0, 0),
+    admits (1, 2), rolls back the optimistic step and re-runs iteration 5 (seen by chance in a
+    suite run, with every parameter off by up to 1e-2)."""
+    pp, dp = 3, 2
+    reference = fault_free(tmp_path_factory, pp, dp, STEPS, "sgd")
+    joiner, victim = slot(dp, 1, 2), slot(dp, 0, 0)
+    job = Job(tmp_path, pp, dp, STEPS, job_config(), "sgd", traps=[f"{joiner}:F:3", f"{victim}:W:5"])
+    job.worker_args = ["--gate"]
+    gate = job.out / f"gate{joiner}"
+    job.start()
+    try:
+        gate.touch()
+        job.signal_when_trapped(joiner)
+        job.wait_until(lambda: (job.out / f"trapped{victim}").exists(), f"slot {victim} to reach its trap")
+        gate.unlink()
+        job.wait_for_event("accepted", kind="join", slot=joiner)
+        os.kill(job.pids[victim], signal.SIGKILL)
+        job.wait_for_event("published_failure", slot=victim)
+        iteration = max(job.progress(s) for s in range(pp * dp))
+        hold_degraded(job, iteration)
+        job.wait_for_event("exited", slot=victim, signal="SIGKILL")
+        rejoin(job, [victim], iteration, {victim: 0})
+    except BaseException:
+        job.kill()
+        raise
+    check(job, reference, 2)
+    survivor = (tmp_path / "logs" / f"rank{slot(dp, 1, 0)}.log").read_text()
+    assert "failed [(0, 0)] joined [(1, 2)]" in survivor, survivor[-3000:]
+
+
 def test_a_member_killed_after_every_member_entered_the_new_epoch(tmp_path, tmp_path_factory):
     """pp=2 x dp=2: worker (0, 1) is killed during F of iteration 3; worker (1, 0) parks once every
     survivor has counted itself into the recovery's epoch, before any of its groups exist, and is

@@ -221,3 +221,20 @@ def test_initialize_rejects_every_bad_section_before_any_process_group(
         assert guard.calls == [] and not torch_dist.is_initialized()
 
     check()
+
+
+def test_a_config_file_that_is_not_json_or_does_not_exist_is_refused_by_name(tmp_path: Path) -> None:
+    """json.dumps writes inf as Infinity, which is not JSON: DeepSpeed's loader raised hjson's
+    decode error (found by the fuzz test above)."""
+    import torch.distributed as torch_dist
+
+    import ds_recycle
+
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({"train_batch_size": 4, "recycle": {"enabled": True, "join_timeout": float("inf")}}))
+    with pytest.raises(RecycleConfigError, match=f"config file {path} is not valid JSON"):
+        ds_recycle.initialize(model=None, config=str(path))
+    missing = tmp_path / "missing.json"
+    with pytest.raises(RecycleConfigError, match="a dict, the path of an existing JSON file or base64"):
+        ds_recycle.initialize(model=None, config=str(missing))
+    assert not torch_dist.is_initialized()
