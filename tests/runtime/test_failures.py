@@ -204,14 +204,14 @@ def test_a_failure_and_a_join_decided_in_one_recovery(tmp_path, tmp_path_factory
 
 def test_a_failure_mid_iteration_and_a_pending_join_decided_in_one_recovery(tmp_path, tmp_path_factory):
     """pp=3 x dp=2: worker (1, 2) is killed during F of iteration 3; its respawn waits at its gate
-    until worker (0, 0) parks in W of iteration 5 (the lone stage-2 worker has stepped iteration 5
-    optimistically by then), then asks to join; (0, 0) is killed. One recovery removes (0, 0),
-    admits (1, 2), rolls back the optimistic step and re-runs iteration 5 (seen by chance in a
-    suite run, with every parameter off by up to 1e-2)."""
+    until worker (0, 0) parks before the stage-0 all-reduce of iteration 5 (stages 1 and 2 step
+    iteration 5 optimistically meanwhile), then asks to join; (0, 0) is killed. One recovery removes
+    (0, 0), admits (1, 2), rolls back the optimistic steps and re-runs iteration 5 (seen by chance
+    in a suite run, with every parameter off by up to 1e-2)."""
     pp, dp = 3, 2
     reference = fault_free(tmp_path_factory, pp, dp, STEPS, "sgd")
     joiner, victim = slot(dp, 1, 2), slot(dp, 0, 0)
-    job = Job(tmp_path, pp, dp, STEPS, job_config(), "sgd", traps=[f"{joiner}:F:3", f"{victim}:W:5"])
+    job = Job(tmp_path, pp, dp, STEPS, job_config(), "sgd", traps=[f"{joiner}:F:3", f"{victim}:allreduce:5"])
     job.worker_args = ["--gate"]
     gate = job.out / f"gate{joiner}"
     job.start()
