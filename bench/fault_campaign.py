@@ -340,17 +340,17 @@ def inject(job: Job, fault: Fault) -> None:
     for s in slots:
         job.wait_for_event("exited", exits[s] + 1, slot=s, **exit_of(fault))
     if fault.joiner_crash:
-        crash_pending_joiner(job, fault, iteration, joins)
+        crash_pending_joiner(job, fault, joins)
         joins = {**joins, slots[0]: joins[slots[0]] + 1}
     rejoin(job, slots, iteration, joins)
 
 
-def crash_pending_joiner(job: Job, fault: Fault, iteration: int, joins: dict[int, int]) -> None:
+def crash_pending_joiner(job: Job, fault: Fault, joins: dict[int, int]) -> None:
     """Once every survivor waits at the hold, let the first worker's respawn in and SIGKILL it (its
     process or group) as soon as its join is accepted: the join is still pending, since the
     survivors decide joins at their next boundary."""
     s = fault.slots[0]
-    wait_until_held(job, iteration, fault.slots)
+    wait_until_held(job, fault.slots)
     (job.out / f"gate{s}").unlink()
     joiner = job.wait_for_event("accepted", joins[s] + 1, timeout=180, kind="join", slot=s)
     failures = job.count_events("published_failure", slot=s)

@@ -62,6 +62,8 @@ class Job:
     preload: bool = True
     """Fork the ranks from a preloaded process (``--preload``: seconds less per start); False: exec."""
     lines: list[str] = field(default_factory=list)
+    held_at: int | None = field(default=None, init=False)
+    """The iteration :meth:`hold` holds the ranks at (None: they go on)."""
 
     def __post_init__(self) -> None:
         self.out = self.tmp / "out"
@@ -148,6 +150,7 @@ class Job:
     def hold(self, iteration: int | None) -> None:
         """Make every rank wait at the boundary once it has finished ``iteration`` iterations (None: go on)."""
         path = self.out / "hold"
+        self.held_at = iteration
         if iteration is None:
             path.unlink(missing_ok=True)
             return
@@ -300,12 +303,11 @@ def hold_degraded(job: Job, iteration: int) -> None:
     job.hold(iteration + DEGRADED_ITERATIONS)
 
 
-def wait_until_held(job: Job, iteration: int, away: list[int]) -> None:
-    """After :func:`hold_degraded` at ``iteration``: wait until every slot but ``away`` has run up
-    to the hold and waits there (a respawn let in now asks while no boundary decides its join)."""
-    held = iteration + DEGRADED_ITERATIONS
+def wait_until_held(job: Job, away: list[int]) -> None:
+    """After :meth:`Job.hold`: wait until every slot but ``away`` has run up to the hold and waits
+    there (a respawn let in now asks while no boundary decides its join)."""
     survivors = [s for s in range(job.pp * job.dp) if s not in away]
-    job.wait_until(lambda: min(job.progress(s) for s in survivors) >= held, "the survivors at the hold")
+    job.wait_until(lambda: min(job.progress(s) for s in survivors) >= job.held_at, "the survivors at the hold")
 
 
 def rejoin(job: Job, slots: list[int], iteration: int, joins: dict[int, int]) -> None:

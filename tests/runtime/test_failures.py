@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+from collections.abc import Callable
 
 import pytest
 
@@ -26,6 +27,7 @@ from ds_recycle.testing.jobs import (
     job_config,
     rejoin,
     slot,
+    wait_until_held,
 )
 
 pytestmark = pytest.mark.multiprocess
@@ -49,6 +51,31 @@ def run_faults(job: Job, faults: list[tuple[list[int], int]]) -> None:
         for s in slots:
             job.wait_for_event("exited", slot=s, signal="SIGKILL")
         rejoin(job, slots, iteration, joins)
+
+
+def kill_while_a_join_is_pending(job: Job, joiner: int, victim: int, wait_for_victim: Callable[[], None]) -> None:
+    """Start ``job``; SIGKILL ``joiner`` at its trap; its respawn waits at its gate (a preloaded
+    respawn asks at once, and its join could be decided at a boundary first) until
+    ``wait_for_victim()`` returns, then asks to join; once the join is accepted, SIGKILL ``victim``
+    and let it re-join after the survivors ran a few iterations."""
+    job.worker_args = ["--gate"]
+    gate = job.out / f"gate{joiner}"
+    gate.touch()
+    job.start()
+    try:
+        job.signal_when_trapped(joiner)
+        wait_for_victim()
+        gate.unlink()
+        job.wait_for_event("accepted", kind="join", slot=joiner)
+        os.kill(job.pids[victim], signal.SIGKILL)
+        job.wait_for_event("published_failure", slot=victim)
+        iteration = max(job.progress(s) for s in range(job.pp * job.dp))
+        hold_degraded(job, iteration)
+        job.wait_for_event("exited", slot=victim, signal="SIGKILL")
+        rejoin(job, [victim], iteration, {victim: 0})
+    except BaseException:
+        job.kill()
+        raise
 
 
 def check(job: Job, reference: dict, faults: int) -> None:
@@ -177,26 +204,8 @@ def test_a_failure_and_a_join_decided_in_one_recovery(tmp_path, tmp_path_factory
     reference = fault_free(tmp_path_factory, pp, dp, STEPS, "sgd")
     joiner, victim = slot(dp, 1, 2), slot(dp, 0, 0)
     job = Job(tmp_path, pp, dp, STEPS, job_config(), "sgd", traps=[f"{joiner}:F:3"])
-    job.worker_args = ["--gate"]  # a preloaded respawn asks at once: its join would be decided at boundary 4
-    gate = job.out / f"gate{joiner}"
     job.hold(4)
-    job.start()
-    try:
-        gate.touch()
-        job.signal_when_trapped(joiner)
-        others = [s for s in range(pp * dp) if s != joiner]
-        job.wait_until(lambda: min(job.progress(s) for s in others) >= 4, "the survivors at the hold")
-        gate.unlink()
-        job.wait_for_event("accepted", kind="join", slot=joiner)
-        os.kill(job.pids[victim], signal.SIGKILL)
-        job.wait_for_event("published_failure", slot=victim)
-        iteration = max(job.progress(s) for s in range(pp * dp))
-        hold_degraded(job, iteration)
-        job.wait_for_event("exited", slot=victim, signal="SIGKILL")
-        rejoin(job, [victim], iteration, {victim: 0})
-    except BaseException:
-        job.kill()
-        raise
+    kill_while_a_join_is_pending(job, joiner, victim, lambda: wait_until_held(job, [joiner]))
     check(job, reference, 2)
     survivor = (tmp_path / "logs" / f"rank{slot(dp, 1, 0)}.log").read_text()
     assert "failed [(0, 0)] joined [(1, 2)]" in survivor, survivor[-3000:]
@@ -212,24 +221,10 @@ def test_a_failure_mid_iteration_and_a_pending_join_decided_in_one_recovery(tmp_
     reference = fault_free(tmp_path_factory, pp, dp, STEPS, "sgd")
     joiner, victim = slot(dp, 1, 2), slot(dp, 0, 0)
     job = Job(tmp_path, pp, dp, STEPS, job_config(), "sgd", traps=[f"{joiner}:F:3", f"{victim}:allreduce:5"])
-    job.worker_args = ["--gate"]
-    gate = job.out / f"gate{joiner}"
-    job.start()
-    try:
-        gate.touch()
-        job.signal_when_trapped(joiner)
-        job.wait_until(lambda: (job.out / f"trapped{victim}").exists(), f"slot {victim} to reach its trap")
-        gate.unlink()
-        job.wait_for_event("accepted", kind="join", slot=joiner)
-        os.kill(job.pids[victim], signal.SIGKILL)
-        job.wait_for_event("published_failure", slot=victim)
-        iteration = max(job.progress(s) for s in range(pp * dp))
-        hold_degraded(job, iteration)
-        job.wait_for_event("exited", slot=victim, signal="SIGKILL")
-        rejoin(job, [victim], iteration, {victim: 0})
-    except BaseException:
-        job.kill()
-        raise
+    trapped = job.out / f"trapped{victim}"
+    kill_while_a_join_is_pending(
+        job, joiner, victim, lambda: job.wait_until(trapped.exists, f"slot {victim} to reach its trap")
+    )
     check(job, reference, 2)
     survivor = (tmp_path / "logs" / f"rank{slot(dp, 1, 0)}.log").read_text()
     assert "failed [(0, 0)] joined [(1, 2)]" in survivor, survivor[-3000:]

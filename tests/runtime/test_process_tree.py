@@ -84,7 +84,7 @@ def test_a_leaver_killed_before_its_boundary_and_a_joiner_killed_while_pending(t
         job.wait_for_event("published_failure", slot=leaver, why="signal SIGKILL while leaving")
         iteration = max(job.progress(s) for s in range(PP * DP))
         hold_degraded(job, iteration)
-        wait_until_held(job, iteration, [leaver])
+        wait_until_held(job, [leaver])
         gate.unlink()
         job.wait_for_event("accepted", kind="join", slot=leaver)
         recoveries = job.count_in_rank_logs(r"recovery decision")
