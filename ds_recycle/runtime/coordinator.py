@@ -316,6 +316,7 @@ class Coordinator:
         # decided is failed too: the decision that admits it also removes it (the members may have
         # decided the join already, hence the alert; members not running with it ignore it).
         why = exit.describe() + (" while leaving" if last is not None and last.kind == proto.LEAVE else "")
+        why += ": it gave up its join" if exit.returncode == proto.JOIN_GIVEN_UP_EXIT_CODE else ""
         why += " while its join was pending" if joining else ""
         self._append(proto.FAILED, exit.slot, exit.observed, why, alert=True)
         latency_ms = 1000 * (time.time() - exit.observed)

@@ -7,7 +7,10 @@ while the interpreter finalizes, the thread cannot take the GIL back, CPython en
 ``pthread_exit``, and the forced unwind through the C++ frames of ``wait()`` aborts the process
 ("terminate called without an active exception"): a rank that finished training would exit by
 SIGABRT. So, at exit, while such a thread is alive, the process waits for it briefly and then
-ends with ``os._exit`` after flushing, skipping finalization.
+ends with ``os._exit`` after flushing, skipping finalization. The same holds for ReCycle's own
+threads that live in store calls (the failure watcher, the heartbeat): each is stopped by an
+atexit handler, and one that does not stop in time is abandoned too. :func:`install` runs before
+those handlers are registered, so that its own handler runs after them.
 
 The exit code ``os._exit`` gets: 1 after an uncaught exception, the code ds_recycle itself exited
 with (``exit(code)`` here), else 0. A script's own ``sys.exit(n)`` cannot be seen from an atexit
@@ -33,7 +36,7 @@ _installed = False
 
 def abandoned(thread: threading.Thread) -> None:
     """``thread`` is blocked in a wait nobody will collect."""
-    _install()
+    install()
     _abandoned.append(thread)
 
 
@@ -44,7 +47,9 @@ def exit(code: int) -> SystemExit:
     return SystemExit(code)
 
 
-def _install() -> None:
+def install() -> None:
+    """Register the exit check (once). atexit runs handlers last-registered first: call this before
+    registering a handler that may abandon a thread."""
     global _installed
     if _installed:
         return

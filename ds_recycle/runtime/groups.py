@@ -23,6 +23,7 @@ waits for it against the failure flag (``runtime/waiting.py``), as for any colle
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import datetime
@@ -81,9 +82,13 @@ def rebuild_world(store, membership: Membership, slot: int, timeout: float = GRO
     The world gets its own connection to the store (``store.clone()``): gloo looks up a peer's
     address in its own threads, and a lookup of a dead peer's address blocks its connection until
     the group timeout; on the caller's connection it would block the membership protocol too."""
-    if dist.is_initialized():
+    if dist.is_initialized():  # the previous epoch's, or a joiner's fake world
         bury(c10d._world.pg_map.keys())
         dist.destroy_process_group()
+    global _leaving_at_exit
+    if not _leaving_at_exit:
+        _leaving_at_exit = True
+        atexit.register(_leave_world_at_exit)
     with lazy_connections():
         dist.init_process_group(
             "gloo",
@@ -92,6 +97,21 @@ def rebuild_world(store, membership: Membership, slot: int, timeout: float = GRO
             world_size=len(membership.members),
             timeout=datetime.timedelta(seconds=timeout),
         )
+
+
+_leaving_at_exit = False
+
+
+def _leave_world_at_exit() -> None:
+    """At exit the last world is left as every earlier one was: buried and unregistered. torch's
+    registry of groups is a C++ static, destroyed after the interpreter: a group still in it is
+    destroyed there, and its destructor joins gloo's worker threads. One blocked in an op of a dead
+    peer held a joiner that gave up its join in its exit for the group timeout (seen here); a rank that
+    had finished training once ended by SIGABRT at exit, just after its peer's (CI, after a node's
+    loss and re-admission)."""
+    if dist.is_initialized():
+        bury(c10d._world.pg_map.keys())
+        dist.destroy_process_group()
 
 
 def connect_all_pairs():

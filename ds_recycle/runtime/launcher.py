@@ -578,7 +578,7 @@ class Launcher:
         twice as long each time (up to ``max_backoff``) and, past ``max_restarts``, is given up."""
         config = self.config
         lived = time.monotonic() - s.started_at
-        if code == 0 or lived >= config.stable_seconds:
+        if code in (0, proto.JOIN_GIVEN_UP_EXIT_CODE) or lived >= config.stable_seconds:
             s.quick_failures = []
         else:
             s.quick_failures.append(describe_returncode(code))

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ds_recycle.log import logger
+from ds_recycle.runtime import exit_guard
 from ds_recycle.runtime import protocol as proto
 from ds_recycle.runtime.protocol import Change, Decision, Membership, Progress, Request, Store
 from ds_recycle.runtime.waiting import PeerFailure
@@ -272,8 +273,9 @@ class MembershipAgent:
         decision = proto.read_decision(self.store, proto.recovery_key(membership.epoch - 1))
         return decision is not None and decision.next == membership
 
-    def previous_members(self, membership: Membership) -> tuple[int, ...]:
-        return proto.read_membership(self.store, membership.epoch - 1).members
+    def holders(self, membership: Membership) -> tuple[int, ...]:
+        """The members of ``membership`` that hold the trained state (:meth:`Decision.holders`)."""
+        return self.decision_creating(membership).holders()
 
     # ---- joining -----------------------------------------------------------------------------
 
@@ -328,6 +330,8 @@ class MembershipAgent:
         self._stop.set()
         if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
             self._heartbeat.join(timeout=2 * HEARTBEAT_SECONDS + 1.0)
+            if self._heartbeat.is_alive():  # still inside a store call (a slow or gone store)
+                exit_guard.abandoned(self._heartbeat)
             try:
                 self.store.set(proto.heartbeat_key(self.slot), repr(time.time() + EXIT_GRACE_SECONDS))
             except Exception:  # the launcher is gone already

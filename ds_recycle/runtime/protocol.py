@@ -84,6 +84,10 @@ a checkpoint exists: ``ds-recycle launch --respawn`` then restarts every rank fr
 STOP_EXIT_CODE = 76
 """A trainer exits with this code when training cannot go on in place and there is no checkpoint to
 restart from: the launcher stops the job (no respawn) and exits non-zero."""
+JOIN_GIVEN_UP_EXIT_CODE = 77
+"""A joiner exits with this code when a failure among the members stopped it before its state
+arrived: the launcher publishes it as a failure (the members leave it out of their recovery) and
+respawns it at once, without counting it as a failure of the process."""
 HEARTBEAT_MIN_TIMEOUT_SECONDS = 10.0
 """Default floor of the hang timeout (the launcher's ``--heartbeat-min-timeout``)."""
 
@@ -442,6 +446,15 @@ class Decision:
     applied: int
     changes: tuple[Change, ...] = field(default_factory=tuple)
     next: Membership | None = None
+
+    def holders(self) -> tuple[int, ...]:
+        """The members of the next epoch that hold the trained state: all but the slots this
+        decision admits. Joiners copy their state from them. Every member of the next epoch reads
+        the same decision, so they agree on it, whichever epoch each had entered to the end (a
+        failure can stop some members of an epoch in its state transfer while others train in it;
+        a joiner stopped before its state arrived gives up its join, so it is never among them)."""
+        joined = {c.slot for c in self.changes if c.kind == JOIN}
+        return tuple(s for s in self.next.members if s not in joined)
 
     def to_json(self) -> str:
         return json.dumps(

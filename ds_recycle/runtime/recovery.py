@@ -120,6 +120,7 @@ class RankRuntime:
         self.watcher: FailureWatcher | None = None
         self.phase_listeners: list[Callable[[Phase], None]] = []
         """Called at every phase change (tests and benches park a rank at a phase)."""
+        exit_guard.install()  # before the heartbeat's and the watcher's stops: it runs after them
 
     def _enter_phase(self, phase: Phase) -> None:
         self.phase = phase
@@ -190,14 +191,17 @@ class RankRuntime:
         while True:
             membership = self.agent.wait_for_admission(self.config.join_timeout, predecessor_removed=admitted_once)
             admitted_once = True
+            if self.watcher is None:  # from admission on, a failure among the members concerns it
+                self._start_watcher(seen=self.agent.failures_applied())
             try:
-                self._enter_epoch(membership, self.agent.previous_members(membership))
+                self._enter_epoch(self.agent.decision_creating(membership))
                 if self.agent.created_by_recovery(membership):
                     self.engine.resync_tied_weights()  # with the survivors, who re-sync after a rollback
                 break
             except EpochSuperseded:
                 continue  # a failure among the members while this process waited: join their epoch
-        self._start_watcher()
+            except PeerFailure as failure:
+                self._give_up_join(membership, failure)
         self.agent.install_leave_handler()
         self._enter_phase(Phase.TRAINING)
         logger.info(
@@ -205,11 +209,23 @@ class RankRuntime:
             f"at iteration {self.engine.global_steps} ({time.time() - self.agent.requested_at:.2f} s from its request)"
         )
 
-    def _start_watcher(self) -> None:
+    def _start_watcher(self, seen: int | None = None) -> None:
         self.watcher = FailureWatcher(
             self.agent.connect(), self.engine.slot, self.agent.store, self.agent.failure_concerns_this_rank
-        ).start()
+        ).start(seen)
         self.engine.waiter.failed = self.watcher.flag
+
+    def _give_up_join(self, membership: Membership, failure: PeerFailure) -> None:
+        """A failure among the members stopped this joiner before its state arrived: it cannot take
+        part in their recovery (it has no iteration to restart from), so it ends, the launcher
+        publishes that as a failure and respawns it, and the respawn asks to join again."""
+        self._enter_phase(Phase.LEFT)
+        logger.warning(
+            f"ReCycle: slot {self.engine.slot} gives up joining epoch {membership.epoch}: {failure}; it ends "
+            f"(exit {proto.JOIN_GIVEN_UP_EXIT_CODE}) and its respawn asks to join again"
+        )
+        self.agent.stop()
+        raise exit_guard.exit(proto.JOIN_GIVEN_UP_EXIT_CODE)
 
     # ---- one iteration ---------------------------------------------------------------------------
 
@@ -262,12 +278,15 @@ class RankRuntime:
             self._leave()
         before = reporting.Before.of(self.engine)
         self._check_survivable(decision.next)
-        self._enter_epoch(decision.next, before.members)
+        self._enter_epoch(decision)
         self.engine.check_data_available()
         self._report(decision, before, began)
         self._enter_phase(Phase.TRAINING)
 
-    def _enter_epoch(self, membership: Membership, previous_members: tuple[int, ...]) -> None:
+    def _enter_epoch(self, decision: Decision) -> None:
+        """Enter the epoch ``decision`` makes: every member counted in, then its world, its grid,
+        and the joiners' state from the decision's holders."""
+        membership = decision.next
         self._enter_phase(Phase.ENTERING)
         announced = (lambda: False) if self.watcher is None else self.watcher.flag.is_set
         self.agent.enter(membership, announced, GROUP_TIMEOUT_SECONDS)
@@ -276,7 +295,7 @@ class RankRuntime:
         self._connect()
         grid = RecycleGrid.build(self.engine.module._topo, membership, self.engine.slot, GROUP_TIMEOUT_SECONDS)
         self.engine.install_grid(grid)
-        rejoin.transfer_state(self.engine, grid, previous_members)
+        rejoin.transfer_state(self.engine, grid, decision.holders())
 
     def _connect(self) -> None:
         self.engine.waiter.collective(connect_all_pairs, "connecting every pair of the world")
@@ -323,7 +342,7 @@ class RankRuntime:
                 self._leave()
             self._check_survivable(decision.next)
             try:
-                self._enter_epoch(decision.next, before.members)
+                self._enter_epoch(decision)
                 engine.resync_tied_weights()
             except (PeerFailure, EpochSuperseded) as again:
                 self._enter_phase(Phase.RECOVERING)

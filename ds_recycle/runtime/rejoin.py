@@ -25,12 +25,12 @@ from ds_recycle.runtime.groups import RecycleGrid, new_group
 COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
 
 
-def transfer_state(engine, grid: RecycleGrid, previous_members: tuple[int, ...]) -> None:
-    """Copy state from a live replica to every slot of ``grid`` that was not in ``previous_members``."""
-    joiners = [s for s in grid.membership.members if s not in previous_members]
+def transfer_state(engine, grid: RecycleGrid, holders: tuple[int, ...]) -> None:
+    """Copy state from a live replica among ``holders`` to every slot of ``grid`` that is not one."""
+    joiners = [s for s in grid.membership.members if s not in holders]
     for joiner in joiners:
         stage = grid.worker_of(joiner)[1]
-        sources = [w for w in grid.live_workers(stage) if grid.slot_of(w) in previous_members]
+        sources = [w for w in grid.live_workers(stage) if grid.slot_of(w) in holders]
         if not sources:
             raise RuntimeError(f"slot {joiner} joins stage {stage}, which has no live worker to copy its state from")
         source = grid.slot_of(sources[0])

@@ -66,8 +66,10 @@ class FailureWatcher:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     """Orders the watcher's compare-and-raise against :meth:`acknowledge`."""
 
-    def start(self) -> FailureWatcher:
-        self.seen = int(self.store.add(proto.ALERT, 0))
+    def start(self, seen: int | None = None) -> FailureWatcher:
+        """Watch for failures after the first ``seen`` (default: every failure announced so far is
+        seen)."""
+        self.seen = int(self.store.add(proto.ALERT, 0)) if seen is None else seen
         self._thread = threading.Thread(target=self._run, name="recycle-failure-watcher", daemon=True)
         self._thread.start()
         # A thread caught inside a store call when the interpreter exits aborts the process.
@@ -137,6 +139,8 @@ class FailureWatcher:
         except Exception:  # the store is gone: the watcher's wait fails by itself
             pass
         self._thread.join(timeout=1.0)
+        if self._thread.is_alive():  # still inside a store call (a slow or gone store)
+            exit_guard.abandoned(self._thread)
 
 
 class Waiter:

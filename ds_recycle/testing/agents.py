@@ -38,6 +38,10 @@ class Watched:
         for line in self.proc.stdout:
             self.lines.append(line.rstrip())
 
+    def log_tail(self, lines: int = 40, chars: int = 1500) -> str:
+        """Its last output lines (what a failed assertion shows)."""
+        return "\n".join(self.lines[-lines:])
+
     def kill_group(self) -> None:
         """SIGKILL the process's whole group (once; reaped)."""
         if self.proc.poll() is None:
@@ -59,7 +63,7 @@ class Agent(Watched):
         extra: tuple[str, ...] = (),
         per_node: int = 2,
     ) -> None:
-        logs = job.tmp / "logs" / f"node{node}.{incarnation}"
+        logs = self.logs = job.tmp / "logs" / f"node{node}.{incarnation}"
         self.events = LaunchEvents(job.tmp / f"events{node}.{incarnation}.jsonl")
         command = network.enter(node) if network else []
         command += [sys.executable, "-m", "ds_recycle.cli", "launch", "--nnodes", str(nodes)]
@@ -74,6 +78,14 @@ class Agent(Watched):
         if network:
             env["GLOO_SOCKET_IFNAME"] = Network.INTERFACE  # gloo's pairs on the node's own link
         super().__init__(command, env)
+
+    def log_tail(self, lines: int = 40, chars: int = 1500) -> str:
+        """Its last output lines and the end of each of its ranks' logs (a rank that crashed wrote
+        why only there)."""
+        text = super().log_tail(lines)
+        for path in sorted(self.logs.glob("*.log")):
+            text += f"\n--- {path.parent.name}/{path.name} ---\n" + path.read_text(errors="replace")[-chars:]
+        return text
 
     @property
     def pids(self) -> dict[int, int]:
@@ -212,8 +224,7 @@ def wait_until(condition: Callable[[], bool], what: str, agents: list, timeout: 
             break  # nothing left to wait for
         time.sleep(0.02)
     raise AssertionError(
-        f"every process ended or timed out waiting for {what}:\n"
-        + "\n".join(line for a in agents for line in a.lines[-30:])
+        f"every process ended or timed out waiting for {what}:\n" + "\n".join(a.log_tail(30, 800) for a in agents)
     )
 
 

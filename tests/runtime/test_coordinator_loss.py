@@ -108,7 +108,7 @@ def test_the_coordinators_host_killed_and_started_again_resumes_from_the_checkpo
         stop_all(agents, coordinators)
         raise
     for process in [*live, *coordinators[-1:]]:
-        assert process.proc.returncode == 0, "\n".join(process.lines[-40:])
+        assert process.proc.returncode == 0, process.log_tail()
     restarted = coordinators[-1] if standalone else agents[-1]
     assert count([restarted], r"the agents ran generations \{.*\} before: this coordinator runs generation 1") == 1
     for a in survivors:
@@ -159,7 +159,7 @@ def test_when_no_coordinator_comes_back_the_agents_give_up_after_their_wait(tmp_
         raise
     print(f"coordinator killed to both agents ended (coordinator timeout 2 s, wait 3 s): {ended_at - killed_at:.2f} s")
     for agent in agents:
-        assert agent.proc.returncode == 1, "\n".join(agent.lines[-20:])
+        assert agent.proc.returncode == 1, agent.log_tail(20)
         assert count([agent], rf"no coordinator at 127.0.0.1:{port} started a generation after 0 within 3 s") == 1
         for pid in agent.pids.values():
             assert zombie_or_gone(pid), f"rank pid {pid} outlived its agent"

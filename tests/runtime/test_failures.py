@@ -14,10 +14,12 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 from collections.abc import Callable
 
 import pytest
 
+from ds_recycle.runtime.protocol import JOIN_GIVEN_UP_EXIT_CODE
 from ds_recycle.testing.jobs import (
     Job,
     assert_final_states,
@@ -251,6 +253,40 @@ def test_a_member_killed_after_every_member_entered_the_new_epoch(tmp_path, tmp_
     survivor = (tmp_path / "logs" / f"rank{slot(dp, 0, 0)}.log").read_text()
     assert "another failure during recovery" in survivor, survivor[-3000:]
     assert "epoch 2 from iteration 3: left [] failed [(0, 1), (1, 0)] joined []" in survivor, survivor[-3000:]
+
+
+def test_a_joiner_gives_up_when_a_member_dies_before_its_state_arrives(tmp_path, tmp_path_factory):
+    """pp=2 x dp=2: worker (0, 1) is killed during F of iteration 3. Once its respawn is admitted,
+    worker (1, 0) parks on entering the join's epoch (every member counted in, no group of it yet)
+    and is killed there. The joiner, connecting that epoch's world, has no iteration to restart
+    from: it gives up its join at once (exit 77; before, it waited in the connection for the group
+    timeout, 120 s, and crashed) and its respawn asks again. The survivors recover without both, both
+    re-join, and the job ends equal to a fault-free run."""
+    pp, dp = 2, 2
+    reference = fault_free(tmp_path_factory, pp, dp, STEPS, "adam")
+    first, building = slot(dp, 0, 1), slot(dp, 1, 0)
+    job = Job(tmp_path, pp, dp, STEPS, job_config(), "adam", traps=[f"{first}:F:3", f"{building}:building:4"])
+    job.start()
+    try:
+        job.signal_when_trapped(first)
+        hold_degraded(job, max(job.progress(s) for s in range(pp * dp)))
+        job.wait_for_event("accepted", kind="join", slot=first)
+        job.hold(None)  # the join is decided at the next boundary; (1, 0) parks entering its epoch
+        job.signal_when_trapped(building)
+        killed_at = time.time()
+        gave_up = job.wait_for_event("exited", slot=first, code=JOIN_GIVEN_UP_EXIT_CODE, timeout=60)
+        iteration = max(job.progress(s) for s in range(pp * dp))
+        hold_degraded(job, iteration)
+        job.wait_for_event("exited", slot=building, signal="SIGKILL")
+        rejoin(job, [first, building], iteration, {first: 1, building: 0})
+    except BaseException:
+        job.kill()
+        raise
+    check(job, reference, 3)
+    print(f"member killed to the joiner's exit: {gave_up['time'] - killed_at:.2f} s")
+    joiner_log = (tmp_path / "logs" / f"rank{first}.log").read_text()
+    assert re.search(r"slot \d gives up joining epoch \d+: a failure was announced", joiner_log), joiner_log[-3000:]
+    assert job.count(rf"published failure of slot {first} \(code 77: it gave up its join\)") == 1, job.log_tail()
 
 
 def test_a_failure_while_a_checkpoint_is_written_is_recovered_and_latest_stays_whole(tmp_path, tmp_path_factory):

@@ -74,7 +74,7 @@ def test_a_node_lost_as_a_whole_is_survived_and_readmitted(tmp_path, tmp_path_fa
             agent.kill()
         raise
     for agent in live:
-        assert agent.proc.returncode == 0, "\n".join(agent.lines[-40:])
+        assert agent.proc.returncode == 0, agent.log_tail()
     assert count(agents[-1:], rf"node {lost} \(incarnation 2\) re-joins the running job") == 1
     logs = "\n".join(p.read_text() for p in sorted((tmp_path / "logs").glob("*/*.log")))
     [joined] = {line for line in re.findall(r"ReCycle epoch \d+ from iteration \d+: .*joined \[[^\]]*\]", logs)
@@ -175,7 +175,7 @@ def test_a_partitioned_node_fences_itself_and_the_survivors_go_on(tmp_path, tmp_
         # coordinator. Once the link is back it finds the same generation running and ends.
         network.cut(lost, up=True)
         wait_until(lambda: agents[lost].proc.poll() is not None, "the reconnected agent to end", agents)
-        assert agents[lost].proc.returncode == 1, "\n".join(agents[lost].lines[-20:])
+        assert agents[lost].proc.returncode == 1, agents[lost].log_tail(20)
         assert count(agents[lost : lost + 1], r"still runs generation 0, so the job went on without this node") == 1
         live = readmit_and_finish(job, agents, lost, port, network)
     except BaseException:
@@ -185,5 +185,5 @@ def test_a_partitioned_node_fences_itself_and_the_survivors_go_on(tmp_path, tmp_
     finally:
         network.remove()
     for agent in live:
-        assert agent.proc.returncode == 0, "\n".join(agent.lines[-40:])
+        assert agent.proc.returncode == 0, agent.log_tail()
     assert_same_as_fault_free(job, reference, STEPS)
