@@ -48,7 +48,7 @@ from ds_recycle.runtime.protocol import (
     StatusReport,
 )
 from ds_recycle.runtime.status import COLOURS, FAILED, LIVE, StatusServer
-from ds_recycle.testing.jobs import Job, hold_degraded, job_config, rejoin, slot
+from ds_recycle.testing.jobs import Job, hold_degraded, job_config, slot
 
 TOKEN = "0123456789abcdef0123456789abcdef"
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
@@ -308,6 +308,15 @@ def tokens_in_store(address: str) -> set[str]:
 
 
 @pytest.mark.multiprocess
+def readmit_and_hold(job: Job, joins: int) -> None:
+    """After :func:`hold_degraded`: once the victim's respawn is accepted (``joins`` accepted
+    before), let the survivors run to the boundary that admits it and hold the job there, so that
+    its launcher (which serves the page and the store) is still up while the test reads them.
+    ``job.hold(None)`` lets it finish."""
+    job.wait_for_event("accepted", joins + 1, timeout=180, kind="join", slot=VICTIM)
+    job.hold(job.held_at + 1)
+
+
 def test_the_json_endpoint_and_status_follow_a_failure_and_the_rejoin(tmp_path):
     job, url, address = start_job(tmp_path)
     try:
@@ -337,7 +346,7 @@ def test_the_json_endpoint_and_status_follow_a_failure_and_the_rejoin(tmp_path):
         assert re.search(r"p1 s1 x+  failed", out), out
         print(out)
 
-        rejoin(job, [VICTIM], iteration, {VICTIM: joins})
+        readmit_and_hold(job, joins)
         back = wait_status(job, url, lambda s: published_in(2)(s) and all_live(s), "the re-joined worker live")
         assert back["plan"]["failed"] == [] and back["plan"]["ratio_to_fault_free"] == pytest.approx(1.0)
         assert back["changes"][-1]["joined"] == [list(VICTIM_WORKER)]
@@ -351,6 +360,7 @@ def test_the_json_endpoint_and_status_follow_a_failure_and_the_rejoin(tmp_path):
         assert tokens, "the re-join posted a request with the job token"
         for token in tokens:
             assert token not in json.dumps(back) and token not in page and token not in out
+        job.hold(None)
     except BaseException:
         job.kill()
         raise
@@ -412,9 +422,10 @@ def test_the_page_in_a_headless_browser_turns_the_killed_worker_red_and_back(tmp
             "the respawn began before the screenshot was taken: raise respawn_delay"
         )
 
-        rejoin(job, [VICTIM], iteration, {VICTIM: joins})
+        readmit_and_hold(job, joins)
         wait_status(job, url, lambda s: published_in(2)(s) and all_live(s), "the re-joined worker live")
         after = screenshot(executable, url, tmp_path / "status_after.png")
+        job.hold(None)
     except BaseException:
         job.kill()
         raise
