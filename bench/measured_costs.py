@@ -189,6 +189,7 @@ def measure_epochs(out: Path, steps: int) -> list[dict]:
             epochs[change["epoch"]].update(
                 first=change["iteration"], plan=change["plan"] or epochs[change["epoch"]]["plan"]
             )
+            epochs[change["epoch"]].setdefault("switch_ms", []).append(change["rebuild_seconds"] * 1e3)
     epochs[0]["first"] = 0
     order = sorted(epochs)
     rows = []
@@ -207,6 +208,8 @@ def measure_epochs(out: Path, steps: int) -> list[dict]:
                 "iterations": len(measured),
                 "predicted": plan["predicted_iteration_time"],
                 "fault_free_predicted": plan["fault_free_iteration_time"],
+                "prefetched": bool(plan.get("prefetched")),
+                "switch_ms": max(epochs[epoch].get("switch_ms", [0.0])),
             }
         )
     # the fault-free epoch's first plan predates the profile; a later epoch's summary holds the
@@ -294,9 +297,14 @@ def report(sizes: Sizes, stragglers: list[dict], profiled: list[dict], unit: lis
         print(
             f"zero degradation (one failure, D={sizes.dp}, profiled plan): {one['kept']:.3f} of fault-free throughput"
         )
-    print(
-        "plan cache hit rate / detection to cached plan: not measured (issue 18 item 3, precomputed plans, not built)"
-    )
+    changed = [row for row in profiled if row["failed"]]
+    if changed:
+        hits = sum(row["prefetched"] for row in changed)
+        print(
+            f"plan cache: {hits} of {len(changed)} membership changes found their plan prefetched "
+            "(recycle.prefetch_plans); the switch to the new epoch (groups, state, plan), slowest member: "
+            + ", ".join(f"{describe(row['failed'])} {row['switch_ms']:.0f} ms" for row in changed)
+        )
     if out is not None:
         out.write_text(json.dumps({"stragglers": stragglers, "profiled": profiled, "unit": unit}, indent=1))
     top = max(sizes.factors)

@@ -165,6 +165,8 @@ class RecycleConfig:
     enabled: bool = False
     decoupled_backprop: bool = True
     staggered_optimizer: bool = True
+    prefetch_plans: bool = True
+    """Plan every next single-worker (and single-node) failure in a background thread."""
     emulate_timing: TimingEmulation | None = None
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     stragglers: StragglerConfig = field(default_factory=StragglerConfig)
@@ -199,7 +201,7 @@ class RecycleConfig:
             raise RecycleConfigError(f"unknown key {SECTION}.{_key(unknown[0])}; allowed keys: {', '.join(allowed)}")
         values = {
             name: _boolean(section, name, default=(name == "enabled") or getattr(cls, name))
-            for name in ("enabled", "decoupled_backprop", "staggered_optimizer")
+            for name in ("enabled", "decoupled_backprop", "staggered_optimizer", "prefetch_plans")
         }
         return cls(
             **values,

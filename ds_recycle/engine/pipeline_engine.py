@@ -59,9 +59,10 @@ from ds_recycle.planner.evaluation import lower_forward_only
 from ds_recycle.planner.fault_free import fault_free_plan
 from ds_recycle.planner.list_scheduler import ScheduleOptions
 from ds_recycle.planner.lowering import WorkerStream, lower
-from ds_recycle.planner.plan import FORWARD, CostModel, Plan
+from ds_recycle.planner.plan import FORWARD, CostModel, Plan, Worker
+from ds_recycle.planner.prefetch import PlanPrefetcher, PrefetchRequest
 from ds_recycle.planner.simulate import retime
-from ds_recycle.runtime import exit_guard
+from ds_recycle.runtime import exit_guard, placement
 from ds_recycle.runtime import protocol as proto
 from ds_recycle.runtime.distributed import membership_agent
 from ds_recycle.runtime.events import IterationStats, MembershipChange, Monitor, PlanSummary
@@ -184,6 +185,11 @@ class RecyclePipelineEngine(PipelineEngine):
             self.runtime = RankRuntime(self, agent, self.recycle)
         self.plan_cache = PlanCache()
         self.plan: Plan | None = None
+        self.plan_prefetched = False
+        """Whether :attr:`plan` was in the plan cache before its failure set arose."""
+        self.prefetcher = (
+            PlanPrefetcher(self.plan_cache) if self.recycle.prefetch_plans and self.runtime is not None else None
+        )
         self._trainable = [p for p in self.module.parameters() if p.requires_grad]
         self._weight_path = install_weight_grad_path(self.module)
         self._wire = autocast_p2p.wire_dtype(self)
@@ -236,7 +242,27 @@ class RecyclePipelineEngine(PipelineEngine):
             bury(work for work, _ in self.channel.pending_sends)
         self.channel = PeerChannel(grid, self.device, self.waiter)
         self.stepper = StageStepper(self, self.channel, synchronous=not self.recycle.staggered_optimizer)
+        self._switch_plan()
+
+    def _switch_plan(self) -> None:
+        """Take the plan of the current failure set and costs, and have the plans of the next
+        failures made in the background (``recycle.prefetch_plans``)."""
+        D, P, m = self.grid.data_parallel_size, self.num_stages, self.micro_batches
+        failed, costs, options = self.grid.failed, self._cost_model(), self._schedule_options()
+        self.plan_prefetched = bool(failed) and self.plan_cache.get(D, P, m, failed, costs, options=options) is not None
         self.plan = self._current_plan_and_stream()[0]
+        if self.prefetcher is not None:
+            nodes = self._node_workers()
+            self.prefetcher.request(PrefetchRequest(D, P, m, failed, costs, options, nodes))
+
+    def _node_workers(self) -> tuple[tuple[Worker, ...], ...]:
+        """The workers of each node when the job runs on several (``LOCAL_WORLD_SIZE`` ranks each)."""
+        topo = self.module._topo
+        world, per_node = topo.world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", 0) or 0)
+        if not 0 < per_node < world:
+            return ()
+        nodes = placement.contiguous_nodes(world, per_node).values()
+        return tuple(tuple((topo.get_coord(r).data, topo.get_coord(r).pipe) for r in ranks) for ranks in nodes)
 
     def roll_back_to(self, iteration: int) -> bool:
         """Undo this worker's steps back to the state before ``iteration``; drop the partial iteration."""
@@ -360,6 +386,7 @@ class RecyclePipelineEngine(PipelineEngine):
             lower_bound=plan.lower_bound or plan.iteration_time,
             live_per_stage=tuple(len(self.grid.live_workers(s)) for s in range(self.num_stages)),
             rerouted_microbatches=rerouted,
+            prefetched=self.plan_prefetched,
         )
 
     def check_data_available(self) -> None:
@@ -682,7 +709,7 @@ class RecyclePipelineEngine(PipelineEngine):
         self._stream_cache.clear()
         getattr(self, "_eval_streams", {}).clear()
         self._fault_free_time = None
-        self.plan = self._current_plan_and_stream()[0]
+        self._switch_plan()
         if decision.costs is None:
             return
         doing_nothing = retime(_with_costs(before, decision.costs)).iteration_time

@@ -15,6 +15,7 @@ import itertools
 import json
 import os
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -44,6 +45,9 @@ class PlanCache:
         """Plans already mapped to a caller's labels, so that repeated hits skip the relabelling."""
         self.hits = 0
         self.misses = 0
+        self._lock = threading.Lock()
+        """Guards the dicts and counters: a background thread may plan into the cache (plans are
+        made outside it)."""
 
     def key(self, request: PlanRequest) -> tuple[str, list[int]]:
         """The cache key of a request and the permutation to its canonical labels."""
@@ -73,7 +77,9 @@ class PlanCache:
         options: ScheduleOptions = ScheduleOptions(),
     ) -> Plan | None:
         """The cached plan for this request, or None."""
-        return self._get(PlanRequest(pipelines, stages, microbatches, failed, costs, memory_cap, options))
+        request = PlanRequest(pipelines, stages, microbatches, failed, costs, memory_cap, options)
+        with self._lock:
+            return self._get(request)
 
     def get_or_plan(
         self,
@@ -87,10 +93,11 @@ class PlanCache:
     ) -> Plan:
         """The cached plan for this request, planning (and storing) it on a miss."""
         request = PlanRequest(pipelines, stages, microbatches, failed, costs, memory_cap, options)
-        plan = self._get(request)
-        if plan is not None:
-            return plan
-        self.misses += 1
+        with self._lock:
+            plan = self._get(request)
+            if plan is not None:
+                return plan
+            self.misses += 1
         check_survivors(request.pipelines, request.stages, request.failed)
         key, permutation = self.key(request)
         canon = json.loads(key)["failed"]
@@ -103,10 +110,11 @@ class PlanCache:
             memory_cap=request.memory_cap,
             options=request.options,
         )
-        self.memory[key] = plan
         if self.path is not None:
             self._store(key, plan)
-        return self._remember(key, request.failed, _to_labels(plan, permutation, request.failed))
+        with self._lock:
+            self.memory[key] = plan
+            return self._remember(key, request.failed, _to_labels(plan, permutation, request.failed))
 
     def _get(self, request: PlanRequest) -> Plan | None:
         key, permutation = self.key(request)

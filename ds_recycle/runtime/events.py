@@ -22,6 +22,9 @@ class PlanSummary:
     live_per_stage: tuple[int, ...]
     rerouted_microbatches: int
     """Micro-batch stage-ops (F per (h, k, s)) run outside their home pipeline."""
+    prefetched: bool = False
+    """The plan was in the plan cache before the failure set it is for arose (made ahead, in the
+    background, by ``recycle.prefetch_plans``, or met before): no planner run on the switch."""
 
     @property
     def ratio_to_fault_free(self) -> float:

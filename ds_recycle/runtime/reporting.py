@@ -101,7 +101,8 @@ def describe(change: MembershipChange) -> str:
     plan = change.plan
     line = (
         f"ReCycle epoch {change.epoch} from iteration {change.iteration}: left {list(change.left)} "
-        f"failed {list(change.failed)} joined {list(change.joined)}; plan {plan.plan_id} predicts "
+        f"failed {list(change.failed)} joined {list(change.joined)}; plan {plan.plan_id}"
+        f"{' (prefetched)' if plan.prefetched else ''} predicts "
         f"{plan.predicted_iteration_time:.1f} ({plan.ratio_to_fault_free:.3f}x fault-free, "
         f"{plan.ratio_to_lower_bound:.3f}x lower bound), {plan.rerouted_microbatches} rerouted F; "
         f"detected/decided after {change.detection_seconds * 1e3:.0f} ms, switch {change.rebuild_seconds * 1e3:.0f} ms"

@@ -261,11 +261,15 @@ def test_a_joiner_gives_up_when_a_member_dies_before_its_state_arrives(tmp_path,
     and is killed there. The joiner, connecting that epoch's world, has no iteration to restart
     from: it gives up its join at once (exit 77; before, it waited in the connection for the group
     timeout, 120 s, and crashed) and its respawn asks again. The survivors recover without both, both
-    re-join, and the job ends equal to a fault-free run."""
+    re-join, and the job ends equal to a fault-free run. With fixed costs (no profile), the plan of
+    each failure set was made ahead in the background (``recycle.prefetch_plans``): both changes
+    find it in the cache."""
     pp, dp = 2, 2
     reference = fault_free(tmp_path_factory, pp, dp, STEPS, "adam")
     first, building = slot(dp, 0, 1), slot(dp, 1, 0)
-    job = Job(tmp_path, pp, dp, STEPS, job_config(), "adam", traps=[f"{first}:F:3", f"{building}:building:4"])
+    config = job_config()
+    config["recycle"]["profile"] = False
+    job = Job(tmp_path, pp, dp, STEPS, config, "adam", traps=[f"{first}:F:3", f"{building}:building:4"])
     job.start()
     try:
         job.signal_when_trapped(first)
@@ -287,6 +291,9 @@ def test_a_joiner_gives_up_when_a_member_dies_before_its_state_arrives(tmp_path,
     joiner_log = (tmp_path / "logs" / f"rank{first}.log").read_text()
     assert re.search(r"slot \d gives up joining epoch \d+: a failure was announced", joiner_log), joiner_log[-3000:]
     assert job.count(rf"published failure of slot {first} \(code 77: it gave up its join\)") == 1, job.log_tail()
+    changes = r"ReCycle epoch \d+ from iteration \d+: left \[\] failed \[\(.*\]"
+    prefetched = job.count_in_rank_logs(changes + r"; plan \w+ \(prefetched\) predicts")
+    assert prefetched == job.count_in_rank_logs(changes) >= 4, job.log_tail()  # 2 changes x 2 survivors
 
 
 def test_a_failure_while_a_checkpoint_is_written_is_recovered_and_latest_stays_whole(tmp_path, tmp_path_factory):

@@ -39,6 +39,7 @@ def test_full_section():
         ({"recycle": {"enabled": "yes"}}, "recycle.enabled must be true or false, got 'yes'"),
         ({"recycle": {"decoupled_backprop": 1}}, "recycle.decoupled_backprop must be true or false"),
         ({"recycle": {"staggered_optimizer": None}}, "recycle.staggered_optimizer must be true or false"),
+        ({"recycle": {"prefetch_plans": "off"}}, "recycle.prefetch_plans must be true or false, got 'off'"),
         ({"recycle": []}, "'recycle' must be an object"),
         ({"recycle": {"emulate_timing": 5}}, "recycle.emulate_timing must be null or an object with keys F, B, W"),
         ({"recycle": {"emulate_timing": {"F": 1, "B": 1}}}, "recycle.emulate_timing.W is missing"),

@@ -108,7 +108,7 @@ def test_any_section_gives_a_valid_config_or_one_clear_error(ds_config: object) 
 @st.composite
 def valid_sections(draw) -> dict:
     section: dict = {}
-    for name in ("enabled", "decoupled_backprop", "staggered_optimizer"):
+    for name in ("enabled", "decoupled_backprop", "staggered_optimizer", "prefetch_plans"):
         if draw(st.booleans()):
             section[name] = draw(st.booleans())
     for name in ("join_timeout", "detect_timeout"):
