@@ -100,6 +100,39 @@ class PlanCache:
             self.misses += 1
         check_survivors(request.pipelines, request.stages, request.failed)
         key, permutation = self.key(request)
+        plan = self._plan(request, key)
+        with self._lock:
+            return self._remember(key, request.failed, _to_labels(plan, permutation, request.failed))
+
+    def ensure(
+        self,
+        pipelines: int,
+        stages: int,
+        microbatches: int,
+        failed: Iterable[Worker] = (),
+        costs: CostModel | None = None,
+        memory_cap: int | None = None,
+        options: ScheduleOptions = ScheduleOptions(),
+    ) -> bool:
+        """Have the plan of this request's canonical failure set in the cache, planning it if it is
+        not, but keep no copy in the request's labels (a later lookup makes the one it needs).
+        Whether it planned. Neither a hit nor a miss."""
+        request = PlanRequest(pipelines, stages, microbatches, failed, costs, memory_cap, options)
+        check_survivors(request.pipelines, request.stages, request.failed)
+        key, _ = self.key(request)
+        with self._lock:
+            if key in self.memory:
+                return False
+        stored = self._load(key) if self.path is not None else None
+        if stored is not None:
+            with self._lock:
+                self.memory[key] = stored
+            return False
+        self._plan(request, key)
+        return True
+
+    def _plan(self, request: PlanRequest, key: str) -> Plan:
+        """Plan the canonical failure set of ``key`` and store it."""
         canon = json.loads(key)["failed"]
         plan = self.planner(
             request.pipelines,
@@ -114,7 +147,7 @@ class PlanCache:
             self._store(key, plan)
         with self._lock:
             self.memory[key] = plan
-            return self._remember(key, request.failed, _to_labels(plan, permutation, request.failed))
+        return plan
 
     def _get(self, request: PlanRequest) -> Plan | None:
         key, permutation = self.key(request)

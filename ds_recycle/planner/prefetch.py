@@ -59,7 +59,8 @@ class PlanPrefetcher:
     def __init__(self, cache: PlanCache) -> None:
         self.cache = cache
         self.planned = 0
-        """Failure sets this thread planned (cache misses), over its life."""
+        """Canonical failure sets this thread planned, over its life (an equivalent set, one
+        that differs by a relabelling of the pipelines, shares its plan)."""
         self.seconds = 0.0
         """Time spent on them."""
         self.done: PrefetchRequest | None = None
@@ -96,9 +97,9 @@ class PlanPrefetcher:
         for failed in next_failure_sets(request):
             if self._latest is not request:
                 return False
-            misses, began = self.cache.misses, time.perf_counter()
+            began = time.perf_counter()
             try:
-                self.cache.get_or_plan(
+                planned = self.cache.ensure(
                     request.pipelines,
                     request.stages,
                     request.microbatches,
@@ -109,7 +110,7 @@ class PlanPrefetcher:
             except ValueError as error:  # no plan for this set: the failure path will say so itself
                 logger.debug(f"ReCycle: no plan prefetched for failed {list(failed)}: {error}")
                 continue
-            if self.cache.misses > misses:
+            if planned:
                 self.planned += 1
                 self.seconds += time.perf_counter() - began
         return True
