@@ -15,7 +15,8 @@ provider. Each fault picks
 - one worker, or two of different pipelines (never every worker of a stage);
 - a moment: a trap (the rank parks at the first F, B or W, at the data-parallel all-reduce or right
   after its optimizer step of the iteration, so the signal lands exactly there; the second worker
-  of a pair may instead be parked at the start of the survivors' recovery from the first), or a
+  of a pair may instead be parked at the start of the survivors' recovery from the first, or once
+  they all entered its epoch, before its world exists), or a
   random fraction of an iteration of wall clock after a boundary (a crashing leaver is always
   trapped);
 - sometimes a crashing joiner: the first worker's respawn is let in only once the survivors wait at
@@ -100,6 +101,9 @@ PAIR_PROBABILITY = 0.25
 TRAP_PROBABILITY = 0.7
 RECOVERY_PROBABILITY = 0.5
 """Of a pair that is killed or hung at traps: the second is parked at the survivors' recovery."""
+SECOND_POINTS = ("recovery", "building")
+"""Where: at the start of the survivors' recovery from the first, or once every survivor entered the
+recovery's epoch, before its world exists."""
 TREE_PROBABILITY = 0.5
 """The share of faults whose signals go to the rank's whole process group, as Slurm sends them."""
 JOINER_CRASH_PROBABILITY = 0.2
@@ -241,7 +245,7 @@ def make_schedule(seed: int, faults: int, jobs: int, shape: Shape) -> list[Fault
             if fault.moment == "trap":
                 fault.points = [rng.choice(POINTS) for _ in workers]
                 if len(workers) == 2 and kind in ("SIGKILL", "SIGSTOP") and rng.random() < RECOVERY_PROBABILITY:
-                    fault.points[1] = "recovery"
+                    fault.points[1] = rng.choice(SECOND_POINTS)
             else:
                 fault.fraction = rng.random()
             fault.tree = rng.random() < TREE_PROBABILITY
