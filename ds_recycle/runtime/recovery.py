@@ -53,6 +53,8 @@ class Phase(enum.Enum):
       ``JOINING`` (a respawned process).
     - ``JOINING`` -> ``TRAINING``: admitted by a decision, world entered, state copied from a live
       replica. An epoch superseded while entering (a failure among the members): ``JOINING`` again.
+      A failure announced among the members before its state arrived: ``LEFT`` (it gives up its
+      join, exit 77, and the launcher respawns it).
     - ``TRAINING`` -> ``DECIDING`` at every iteration boundary; -> ``RECOVERING`` when a peer
       failure interrupts the iteration.
     - ``DECIDING`` -> ``TRAINING`` (no change), ``ENTERING`` (members changed) or ``LEFT`` (this
