@@ -278,7 +278,10 @@ def _read_cost_file(path: str) -> dict:
             data = yaml.safe_load(text)
         except (yaml.YAMLError, ValueError, TypeError, RecursionError, OverflowError) as exc:
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise UsageError(f"--cost-file {path}: neither valid JSON nor valid YAML ({first})") from None
+            raise UsageError(
+                f"--cost-file {path}: neither valid JSON nor valid YAML ({first}); expected a mapping with keys "
+                "F, B, W (optional comm, step)"
+            ) from None
     if not isinstance(data, dict):
         raise UsageError(f"--cost-file {path}: expected a mapping with keys F, B, W (optional comm, step)")
     unknown = sorted(str(k)[:40] for k in set(data) - {"F", "B", "W", "comm", "step"})
