@@ -104,20 +104,10 @@ class PlanCache:
         with self._lock:
             return self._remember(key, request.failed, _to_labels(plan, permutation, request.failed))
 
-    def ensure(
-        self,
-        pipelines: int,
-        stages: int,
-        microbatches: int,
-        failed: Iterable[Worker] = (),
-        costs: CostModel | None = None,
-        memory_cap: int | None = None,
-        options: ScheduleOptions = ScheduleOptions(),
-    ) -> bool:
-        """Have the plan of this request's canonical failure set in the cache, planning it if it is
+    def ensure(self, request: PlanRequest) -> bool:
+        """Have the plan of ``request``'s canonical failure set in the cache, planning it if it is
         not, but keep no copy in the request's labels (a later lookup makes the one it needs).
         Whether it planned. Neither a hit nor a miss."""
-        request = PlanRequest(pipelines, stages, microbatches, failed, costs, memory_cap, options)
         check_survivors(request.pipelines, request.stages, request.failed)
         key, _ = self.key(request)
         with self._lock:

@@ -21,6 +21,7 @@ from ds_recycle.log import logger
 from ds_recycle.planner.cache import PlanCache
 from ds_recycle.planner.list_scheduler import ScheduleOptions
 from ds_recycle.planner.plan import CostModel, Worker
+from ds_recycle.planner.request import PlanRequest
 
 
 @dataclass(frozen=True)
@@ -100,12 +101,15 @@ class PlanPrefetcher:
             began = time.perf_counter()
             try:
                 planned = self.cache.ensure(
-                    request.pipelines,
-                    request.stages,
-                    request.microbatches,
-                    failed,
-                    costs=request.costs,
-                    options=request.options,
+                    PlanRequest(
+                        request.pipelines,
+                        request.stages,
+                        request.microbatches,
+                        failed,
+                        request.costs,
+                        None,
+                        request.options,
+                    )
                 )
             except ValueError as error:  # no plan for this set: the failure path will say so itself
                 logger.debug(f"ReCycle: no plan prefetched for failed {list(failed)}: {error}")
