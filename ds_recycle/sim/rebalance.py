@@ -28,6 +28,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ds_recycle.planner import migration
+from ds_recycle.planner.migration import Move
 from ds_recycle.planner.plan import Worker
 from ds_recycle.sim.cost_model import head_layer_ratio
 from ds_recycle.sim.job import Job
@@ -53,14 +55,6 @@ class RebalanceParams:
             raise ValueError(f"rebalance mode {self.mode!r}: one of {', '.join(MODES)}")
         if not (math.isfinite(self.min_gain) and self.min_gain >= 0):
             raise ValueError(f"rebalance: min_gain = {self.min_gain!r} must be a finite number >= 0")
-
-
-@dataclass(frozen=True)
-class Move:
-    """A survivor leaves ``source`` and re-joins the dead slot ``target`` (both ``(pipeline, stage)``)."""
-
-    source: Worker
-    target: Worker
 
 
 @dataclass(frozen=True)
@@ -143,10 +137,7 @@ class Rebalancer:
 
     def live(self, failed: Sequence[Worker]) -> list[int]:
         """Live workers per stage."""
-        counts = [self.job.pipelines] * self.job.stages
-        for _p, s in failed:
-            counts[s] -= 1
-        return counts
+        return migration.live_per_stage(self.job.pipelines, self.job.stages, failed)
 
     def work(self, layers: Split) -> list[float]:
         """Each stage's compute in decoder layers (the LM head counted on the last)."""
@@ -154,16 +145,8 @@ class Rebalancer:
         return [n + (self.head if s == last else 0.0) for s, n in enumerate(layers)]
 
     def needed(self, live: Sequence[int], work: Sequence[float]) -> list[int]:
-        """The fewest workers per stage that reach the best balance ``min max work_s / n_s`` for
-        ``sum(live)`` workers, at most ``D`` per stage (the stages short of them get movers)."""
-        D, total = self.job.pipelines, sum(live)
-        counts = [1] * len(live)
-        for _ in range(total - len(live)):
-            open_ = [s for s in range(len(live)) if counts[s] < D]
-            s = max(open_, key=lambda s: (work[s] / counts[s], -s))
-            counts[s] += 1
-        bottleneck = max(w / n for w, n in zip(work, counts, strict=True))
-        return [max(1, math.ceil(w / bottleneck - 1e-9)) for w in work]
+        """:func:`ds_recycle.planner.migration.needed` for this job's ``D``."""
+        return migration.needed(self.job.pipelines, live, work)
 
     def even_counts(self, live: Sequence[int], work: Sequence[float]) -> list[int]:
         """Live workers as even as possible over the stages (the extra ones to the heaviest)."""
@@ -177,31 +160,8 @@ class Rebalancer:
         self, failed: Failed, work: Sequence[float], target: Sequence[int] | None = None
     ) -> tuple[tuple[Move, ...], Failed]:
         """The fewest moves that give each stage at least its ``target`` live workers (default:
-        :meth:`needed`), and the failure set after them. Each move takes a survivor of the stage
-        with the most workers to spare into a dead slot of the stage furthest below its need. The
-        mover leaves the pipeline with the most dead slots and joins the one with the fewest, so
-        dead slots gather in few pipelines (ties: the lowest index)."""
-        D, P = self.job.pipelines, self.job.stages
-        dead = set(failed)
-        live = self.live(failed)
-        want = list(self.needed(live, work) if target is None else target)
-        moves: list[Move] = []
-        while True:
-            short = [s for s in range(P) if live[s] < want[s]]
-            spare = [s for s in range(P) if live[s] > want[s]]
-            if not short or not spare:
-                break
-            b = min(short, key=lambda s: (live[s] / work[s], s))
-            a = max(spare, key=lambda s: (live[s] - want[s], -live[s] / work[s], -s))
-            per_pipeline = [sum(1 for p2, _s in dead if p2 == p) for p in range(D)]
-            source = max(((p, a) for p in range(D) if (p, a) not in dead), key=lambda w: (per_pipeline[w[0]], -w[0]))
-            slot = min(((p, b) for p in range(D) if (p, b) in dead), key=lambda w: (per_pipeline[w[0]], w[0]))
-            dead.discard(slot)
-            dead.add(source)
-            live[a] -= 1
-            live[b] += 1
-            moves.append(Move(source, slot))
-        return tuple(moves), tuple(sorted(dead))
+        :meth:`needed`), and the failure set after them (:func:`ds_recycle.planner.migration.migrate`)."""
+        return migration.migrate(self.job.pipelines, self.job.stages, failed, work, target)
 
     # ----- re-partitioning -----
 
