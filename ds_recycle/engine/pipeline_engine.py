@@ -763,6 +763,15 @@ class RecyclePipelineEngine(PipelineEngine):
             self._stream_cache[failed] = (plan, lower(plan)[self.worker])
         return self._stream_cache[failed]
 
+    def predicted_iteration_time(self, failed: tuple[Worker, ...]) -> float:
+        """The planner's iteration time for the failure set ``failed`` on the costs in use (what a
+        migration's gain is judged by)."""
+        D, P, m = self.grid.data_parallel_size, self.num_stages, self.micro_batches
+        plan = self.plan_cache.get_or_plan(
+            D, P, m, tuple(sorted(failed)), costs=self._cost_model(), options=self._schedule_options()
+        )
+        return plan.iteration_time
+
     def fault_free_iteration_time(self) -> float:
         if self._fault_free_time is None:
             D, P, m = self.grid.data_parallel_size, self.num_stages, self.micro_batches
