@@ -24,6 +24,7 @@ from typing import Any
 SECTION = "recycle"
 MONITOR_MODES = ("auto", "online", "offline", "disabled")
 PLANNER_COSTS = ("emulated", "unit")
+MAX_MEMORY_LIMIT_GB = 1_048_576
 
 
 class RecycleConfigError(ValueError):
@@ -177,6 +178,9 @@ class RecycleConfig:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     checkpoint: CheckpointConfig | None = None
     """None: no periodic checkpoint; a job that loses a whole stage stops."""
+    memory_limit_gb: float | None = None
+    """Memory budget per worker in GiB (2^30 bytes); None: the device's memory on a GPU, no cap
+    beyond the planner's default on CPU (ds_recycle.engine.memory_cap)."""
 
     @classmethod
     def from_ds_config(cls, ds_config: Mapping[str, Any]) -> RecycleConfig:
@@ -212,6 +216,7 @@ class RecycleConfig:
             detect_timeout=_seconds(section, "detect_timeout", cls.detect_timeout),
             monitor=monitor_config(section.get("monitor")),
             checkpoint=_checkpoint(section.get("checkpoint")),
+            memory_limit_gb=_memory_limit(section.get("memory_limit_gb")),
         )
 
 
@@ -228,6 +233,17 @@ def _checkpoint(value: Any) -> CheckpointConfig | None:
     if isinstance(interval, bool) or not isinstance(interval, int) or not 1 <= interval <= 10**9:
         raise RecycleConfigError(f"{key}.interval must be an integer number of iterations >= 1, got {interval!r}")
     return CheckpointConfig(directory, interval)
+
+
+def _memory_limit(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_MEMORY_LIMIT_GB:
+        raise RecycleConfigError(
+            f"{SECTION}.memory_limit_gb must be a number of GiB in (0, {MAX_MEMORY_LIMIT_GB}] (memory per worker, "
+            f"e.g. 70 or 0.5), or absent (on a GPU: the device's memory); got {value!r}"
+        )
+    return float(value)
 
 
 def _boolean(section: Mapping[str, Any], name: str, default: bool, key: str = SECTION) -> bool:

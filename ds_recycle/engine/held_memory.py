@@ -51,7 +51,7 @@ def measure_held_bytes(
     params = [p for p in stage.parameters() if p.requires_grad]
     for p in params:  # accumulate in place, so that gradients are not counted as held
         p.grad = torch.zeros_like(p)
-    excluded = {_storage(p) for p in params} | {_storage(p.grad) for p in params}
+    excluded = {storage_of(p) for p in params} | {storage_of(p.grad) for p in params}
     x = stage_input.detach().clone().requires_grad_(stage_input.is_floating_point())
     probe: list[torch.Tensor] = []
     if path is not None:
@@ -72,21 +72,21 @@ def measure_held_bytes(
         outputs = [out]
         grads = [torch.randn(out.shape, generator=generator, device=out.device).to(out.dtype)]
     root = outputs[0].grad_fn
-    after_forward = _bytes([*_saved_by_graph(root), *probe, *outputs], excluded)
+    after_forward = storage_bytes([*saved_by_graph(root), *probe, *outputs], excluded)
     probe.clear()
     _, work = backward_input(outputs, grads, [x], params, path=path)
     del out, outputs, grads
-    between = _bytes([*_saved_by_graph(root), *work.tensors()], excluded)
+    between = storage_bytes([*saved_by_graph(root), *work.tensors()], excluded)
     backward_weight(work)
-    after_w = _bytes(work.tensors(), excluded)
+    after_w = storage_bytes(work.tensors(), excluded)
     return HeldBytes(after_forward, between, after_w)
 
 
-def _storage(t: torch.Tensor) -> int:
+def storage_of(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def _bytes(tensors: Iterable[torch.Tensor], excluded: set[int]) -> int:
+def storage_bytes(tensors: Iterable[torch.Tensor], excluded: set[int]) -> int:
     sizes: dict[int, int] = {}
     for t in tensors:
         storage = t.untyped_storage()
@@ -96,7 +96,7 @@ def _bytes(tensors: Iterable[torch.Tensor], excluded: set[int]) -> int:
     return sum(sizes.values())
 
 
-def _saved_by_graph(root) -> list[torch.Tensor]:
+def saved_by_graph(root) -> list[torch.Tensor]:
     """The tensors saved by every node reachable from ``root`` whose buffers are not freed."""
     found: list[torch.Tensor] = []
     seen: set[int] = set()
@@ -112,14 +112,14 @@ def _saved_by_graph(root) -> list[torch.Tensor]:
                     value = getattr(node, name)
                 except RuntimeError:  # freed by a backward that did not retain the graph
                     continue
-                found.extend(_tensors_in(value))
+                found.extend(tensors_in(value))
         stack.extend(next_node for next_node, _ in node.next_functions)
     return found
 
 
-def _tensors_in(value) -> list[torch.Tensor]:
+def tensors_in(value) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors_in(v)]
+        return [t for v in value for t in tensors_in(v)]
     return []

@@ -19,6 +19,7 @@ import copy
 import functools
 import hashlib
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -35,6 +36,19 @@ from ds_recycle.config import RecycleConfig, RecycleConfigError
 from ds_recycle.engine import autocast_p2p
 from ds_recycle.engine import checkpoint as checkpoints
 from ds_recycle.engine.backward_split import backward_input, backward_weight
+from ds_recycle.engine.memory_cap import (
+    AUDIT_ENV,
+    BudgetRow,
+    HeldMeter,
+    MemoryBudget,
+    MemoryCapError,
+    agree_budget,
+    device_budget,
+    executed_peak,
+    limit_bytes,
+    peak_in_flight,
+    static_bytes,
+)
 from ds_recycle.engine.profile import CostChange, CostTracker, OpTimes, agree
 from ds_recycle.engine.routing import ACTIVATION, GRADIENT, PeerChannel
 from ds_recycle.engine.staggered_step import StageStepper
@@ -58,6 +72,7 @@ from ds_recycle.planner.cache import PlanCache
 from ds_recycle.planner.evaluation import lower_forward_only
 from ds_recycle.planner.fault_free import fault_free_plan
 from ds_recycle.planner.list_scheduler import ScheduleOptions
+from ds_recycle.planner.lower_bound import NoSurvivorError
 from ds_recycle.planner.lowering import WorkerStream, lower
 from ds_recycle.planner.plan import FORWARD, CostModel, Plan, Worker
 from ds_recycle.planner.prefetch import PlanPrefetcher, PrefetchRequest
@@ -198,6 +213,7 @@ class RecyclePipelineEngine(PipelineEngine):
         self._own_loss: torch.Tensor | None = None
         self._fault_free_time: float | None = None
         self._setup_profile()
+        self._setup_memory_cap()
         self._loaded: dict[int, list] = {}
         """Own-pipeline micro-batches read from the data iterator, by iteration (the last two)."""
         self.evaluation: Evaluation | None = None
@@ -249,11 +265,15 @@ class RecyclePipelineEngine(PipelineEngine):
         failures made in the background (``recycle.prefetch_plans``)."""
         D, P, m = self.grid.data_parallel_size, self.num_stages, self.micro_batches
         failed, costs, options = self.grid.failed, self._cost_model(), self._schedule_options()
-        self.plan_prefetched = bool(failed) and self.plan_cache.get(D, P, m, failed, costs, options=options) is not None
+        cap = self._failure_cap()
+        plannable = cap is None or cap >= 1
+        self.plan_prefetched = (
+            bool(failed) and plannable and self.plan_cache.get(D, P, m, failed, costs, cap, options) is not None
+        )
         self.plan = self._current_plan_and_stream()[0]
-        if self.prefetcher is not None:
+        if self.prefetcher is not None and plannable:
             nodes = self._node_workers()
-            self.prefetcher.request(PrefetchRequest(D, P, m, failed, costs, options, nodes))
+            self.prefetcher.request(PrefetchRequest(D, P, m, failed, costs, options, nodes, cap))
 
     def _node_workers(self) -> tuple[tuple[Worker, ...], ...]:
         """The workers of each node when the job runs on several (``LOCAL_WORLD_SIZE`` ranks each)."""
@@ -292,6 +312,8 @@ class RecyclePipelineEngine(PipelineEngine):
             self.pipe_buffers[key] = [None] * len(self.pipe_buffers[key])
         self.total_loss = None
         self._own_loss = None
+        if self.held_meter is not None:
+            self.held_meter.drop()
         timer = self.timers(TRAIN_BATCH_TIMER)
         if timer.started_:
             timer.stop()
@@ -584,13 +606,7 @@ class RecyclePipelineEngine(PipelineEngine):
             costs = replace(costs, slow=())
         key = (failed, micro_batches, costs.slow)
         if key not in self._eval_streams:
-            D, P = self.grid.data_parallel_size, self.num_stages
-            if failed or costs.slow:
-                options = self._schedule_options()
-                plan = self.plan_cache.get_or_plan(D, P, micro_batches, failed, costs=costs, options=options)
-            else:
-                plan = fault_free_plan(D, P, micro_batches, costs=costs, options=self._schedule_options())
-            self._eval_streams[key] = lower_forward_only(plan)
+            self._eval_streams[key] = lower_forward_only(self._plan_for(failed, costs, micro_batches))
         streams = self._eval_streams[key]
         if data.source is None:
             foreign = [
@@ -651,6 +667,7 @@ class RecyclePipelineEngine(PipelineEngine):
         if not self.recycle.enabled:
             return super()._train_schedule()
         self._refresh_costs()
+        self._refresh_memory_cap()
         return PlannedSchedule(self._current_plan_and_stream()[1], self.micro_batches, self.num_stages, self.stage_id)
 
     def _schedule_options(self) -> ScheduleOptions:
@@ -728,6 +745,82 @@ class RecyclePipelineEngine(PipelineEngine):
             if self.runtime is not None:
                 self.runtime.publish_status()
 
+    def _setup_memory_cap(self) -> None:
+        """``recycle.memory_limit_gb``, or on a GPU the device's memory, makes a memory cap
+        (:mod:`~ds_recycle.engine.memory_cap`); without either (CPU, no key) there is none."""
+        self._memory_limit = limit_bytes(self.recycle.memory_limit_gb)
+        self._memory_budgeted = self._memory_limit is not None or self.device.type == "cuda"
+        audit = os.environ.get(AUDIT_ENV) == "1"
+        params = list(self.module.parameters())
+        self.held_meter = HeldMeter(params, audit=audit) if self._memory_budgeted or audit else None
+        self.memory_budget: MemoryBudget | None = None
+        """The agreed bytes and caps of every stage (None: no cap, or not measured yet)."""
+        self._memory_epoch: int | None = None
+        self._memory_row: BudgetRow | None = None
+
+    def _refresh_memory_cap(self) -> None:
+        """At the start of the first iteration of every epoch after this job's first (the first
+        measures), the live workers agree on the bytes of every stage (one all-reduce over the
+        world); until every stage has a measured replica, at the start of every iteration. A
+        change of the planner's cap re-plans, on every rank at the same boundary."""
+        epoch = self.grid.membership.epoch
+        if not self._memory_budgeted or self.global_steps < 1 or self._memory_epoch == epoch:
+            return
+        D, P = self.grid.data_parallel_size, self.num_stages
+        if self._memory_row is None and self.held_meter.per_microbatch is not None:
+            limit = self._memory_limit if self._memory_limit is not None else device_budget(self.device)
+            static = static_bytes(self.module, self.optimizer, self.device)
+            self._memory_row = BudgetRow(1.0, 1.0, float(self.held_meter.per_microbatch), float(static), float(limit))
+        row = self._memory_row or BudgetRow(
+            static=float(static_bytes(self.module, self.optimizer, self.device)),
+            limit=float(self._memory_limit if self._memory_limit is not None else device_budget(self.device)),
+        )
+
+        def all_reduce(table: torch.Tensor) -> None:
+            self.waiter.collective(lambda: torch.distributed.all_reduce(table, async_op=True), "the memory exchange")
+
+        budget = agree_budget(row, self.worker, D, P, all_reduce, self.device)
+        if budget is None:
+            return
+        self._memory_epoch = epoch
+        first, before = self.memory_budget is None, self._failure_cap()
+        self.memory_budget = budget
+        if first and self.is_lowest_live_rank():
+            self._log_memory_budget(budget)
+        if first or budget.planner_cap() != before:
+            self._stream_cache.clear()
+            self._eval_streams.clear()
+            self._fault_free_time = None
+            self._switch_plan()
+
+    def _log_memory_budget(self, budget: MemoryBudget) -> None:
+        cap = budget.planner_cap()
+        if cap is None:
+            planner = f"memory does not bind: the planner keeps its cap of {self.num_stages} (the peak of 1F1B)"
+        elif cap < 1:
+            planner = "no plan fits (a stage cannot hold one micro-batch)"
+        else:
+            planner = f"the planner's cap is {cap} micro-batches in flight per worker"
+        logger.info(f"ReCycle: memory per worker, in bytes: {budget.describe()}; {planner}")
+        D, P, m = self.grid.data_parallel_size, self.num_stages, self.micro_batches
+        need = peak_in_flight(fault_free_plan(D, P, m, costs=self._cost_model(), options=self._schedule_options()))
+        over = budget.over(need)
+        if not over:
+            return
+        (worker, held, _), *_ = over
+        if budget.least >= 1:
+            what = (
+                f"worker {worker} holds {held} micro-batches in flight and {budget.shortfall(worker[1], held)}; "
+                f"every plan runs under a cap of {budget.least} micro-batches (slower than the fault-free schedule)"
+            )
+        else:
+            stage = min(range(P), key=lambda s: budget.stages[s].cap)
+            what = (
+                f"not even one micro-batch fits: {budget.shortfall(stage, 1)}; the fault-free plan stays as it is "
+                "(over the limit), and a failure takes the fallback of a lost stage"
+            )
+        logger.warning(f"ReCycle: the fault-free schedule does not fit in memory: {what}")
+
     def _log_cost_change(self, change: CostChange) -> None:
         plan, ff, nothing = change.predicted, change.fault_free, change.doing_nothing
         versus = (
@@ -753,31 +846,71 @@ class RecyclePipelineEngine(PipelineEngine):
     def _current_plan_and_stream(self) -> tuple[Plan, WorkerStream]:
         failed = self.grid.failed
         if failed not in self._stream_cache:
-            D, P, m = self.grid.data_parallel_size, self.num_stages, self.micro_batches
-            if failed or self._cost_model().slow:  # a straggler is routed around as a failure is
-                plan = self.plan_cache.get_or_plan(
-                    D, P, m, failed, costs=self._cost_model(), options=self._schedule_options()
-                )
-            else:
-                plan = fault_free_plan(D, P, m, costs=self._cost_model(), options=self._schedule_options())
+            plan = self._plan_for(failed, self._cost_model(), self.micro_batches)
             self._stream_cache[failed] = (plan, lower(plan)[self.worker])
         return self._stream_cache[failed]
 
+    def _plan_for(self, failed: tuple[Worker, ...], costs: CostModel, micro_batches: int) -> Plan:
+        """The plan of ``failed`` under the memory cap: from the plan cache when workers are
+        missing or a straggler is routed around (as a failure is), else the fault-free plan.
+        Raises :class:`MemoryCapError` when the plan of a failure set cannot fit."""
+        D, P, options = self.grid.data_parallel_size, self.num_stages, self._schedule_options()
+        budget = self.memory_budget
+        if not failed and not costs.slow:
+            plan = fault_free_plan(D, P, micro_batches, costs=costs, options=options)
+            if budget is not None and budget.least >= 1 and budget.over(peak_in_flight(plan)):
+                plan = fault_free_plan(D, P, micro_batches, costs, budget.least, options)
+            return plan
+        cap = self._failure_cap()
+        if cap is not None and cap < 1:
+            raise self._cannot_fit(failed, cap, "not even one micro-batch fits beside the static bytes")
+        try:
+            plan = self.plan_cache.get_or_plan(D, P, micro_batches, failed, costs, cap, options)
+        except ValueError as error:
+            if cap is None or isinstance(error, NoSurvivorError):
+                raise
+            raise self._cannot_fit(failed, cap, f"the planner found no schedule under it ({error})") from error
+        over = budget.over(peak_in_flight(plan)) if budget is not None else []
+        if over:
+            (worker, held, stage_cap), *_ = over
+            raise self._cannot_fit(failed, cap, f"its plan has worker {worker} hold {held} (stage cap {stage_cap})")
+        return plan
+
+    def _failure_cap(self) -> int | None:
+        """The planner's cap for plans that re-route (None: its default, P)."""
+        return None if self.memory_budget is None else self.memory_budget.planner_cap()
+
+    def _cannot_fit(self, failed: tuple[Worker, ...], cap: int, why: str) -> MemoryCapError:
+        budget = self.memory_budget
+        stage = min(range(self.num_stages), key=lambda s: budget.stages[s].cap)
+        config, tag = self.recycle.checkpoint, checkpoints.latest_tag(self.recycle.checkpoint)
+        if config is None:
+            after = "no checkpoint is configured (recycle.checkpoint), so the job stops here"
+        elif tag is None:
+            after = f"no checkpoint was written yet in {config.dir}, so the job stops here"
+        else:
+            after = f"every rank restarts from checkpoint {tag} in {config.dir} (ds-recycle launch --respawn)"
+        return MemoryCapError(
+            f"the plan for failure set {list(failed)} cannot fit in memory: memory cap {cap} micro-batches in "
+            f"flight per worker, {why}; {budget.shortfall(stage, 1)}. Last finished iteration: "
+            f"{self.global_steps}; {after}"
+        )
+
     def predicted_iteration_time(self, failed: tuple[Worker, ...]) -> float:
         """The planner's iteration time for the failure set ``failed`` on the costs in use (what a
-        migration's gain is judged by)."""
+        migration's gain is judged by); infinite when its plan cannot fit in memory."""
         D, P, m = self.grid.data_parallel_size, self.num_stages, self.micro_batches
+        cap = self._failure_cap()
+        if cap is not None and cap < 1:
+            return math.inf
         plan = self.plan_cache.get_or_plan(
-            D, P, m, tuple(sorted(failed)), costs=self._cost_model(), options=self._schedule_options()
+            D, P, m, tuple(sorted(failed)), self._cost_model(), cap, self._schedule_options()
         )
         return plan.iteration_time
 
     def fault_free_iteration_time(self) -> float:
         if self._fault_free_time is None:
-            D, P, m = self.grid.data_parallel_size, self.num_stages, self.micro_batches
-            plan = fault_free_plan(
-                D, P, m, costs=self._cost_model().without_stragglers(), options=self._schedule_options()
-            )
+            plan = self._plan_for((), self._cost_model().without_stragglers(), self.micro_batches)
             self._fault_free_time = plan.iteration_time
         return self._fault_free_time
 
@@ -804,6 +937,22 @@ class RecyclePipelineEngine(PipelineEngine):
             self.instruction_events.append(InstructionEvent("FinishIteration", -1, -1, started, time.time()))
             if self.global_steps > self.recycle.profile.warmup:
                 self._op_times.record(self.instruction_events)
+            if self.held_meter is not None and self.held_meter.audit:
+                self._log_memory_audit()
+
+    def _log_memory_audit(self) -> None:
+        """One line per iteration (``DS_RECYCLE_MEMORY_AUDIT=1``): the most micro-batches this
+        worker held in flight, from the executed instructions, and the most bytes they held."""
+        budget, held = self.memory_budget, self.held_meter.take_peak()
+        cap = self._failure_cap() if budget is not None else None
+        stage = budget.stages[self.stage_id] if budget is not None else None
+        logger.info(
+            f"ReCycle memory audit: worker {self.worker} iteration {self.global_steps - 1} epoch "
+            f"{self.grid.membership.epoch}: in flight at most {executed_peak(self.instruction_events)} "
+            f"(plan cap {self.plan.memory_cap}, planner cap {cap}, stage cap {stage.cap if stage else None}); "
+            f"held at most {held} bytes + static {stage.static if stage else None} of limit "
+            f"{stage.limit if stage else None}"
+        )
 
     def allreduce_bucket(self, bucket, dp_group, dp_world_size=None):
         """DeepSpeed's data-parallel gradient reduction, with the same arithmetic, waited for
@@ -900,9 +1049,24 @@ class RecyclePipelineEngine(PipelineEngine):
             return
         if self.forward_ledger is not None:
             self.forward_ledger.append((self.global_steps, home, mb, self.stage_id))
-        PipelineEngine._exec_forward_pass(self, buffer_id)
+        meter = self.held_meter
+        probe = [] if meter is not None and meter.wants() else None
+        self._weight_path.probe = probe
+        try:
+            PipelineEngine._exec_forward_pass(self, buffer_id)
+        finally:
+            self._weight_path.probe = None
         if self.is_last_stage():
             self.pipe_buffers["losses"][buffer_id] = self.loss
+        if probe is not None:
+            ends = [self.loss] if self.is_last_stage() else _as_tuple(self.pipe_buffers["outputs"][buffer_id])
+            roots = [t.grad_fn for t in ends if isinstance(t, torch.Tensor)]
+            meter.after_forward(buffer_id, roots, probe, functools.partial(self._held_buffers, buffer_id))
+
+    def _held_buffers(self, buffer_id: int) -> list:
+        """What the engine's buffers hold of the micro-batch in ``buffer_id`` (memory accounting)."""
+        keys = ("inputs", "labels", "outputs", "grads", "input_grads", "losses")
+        return [self.pipe_buffers[key][buffer_id] for key in keys]
 
     def _exec_send_activation(self, buffer_id: int, home: int, mb: int, peer):
         outputs = autocast_p2p.activations_to_wire(_as_tuple(self.pipe_buffers["outputs"][buffer_id]), self._wire)
@@ -935,6 +1099,8 @@ class RecyclePipelineEngine(PipelineEngine):
         self.pipe_buffers["weight_work"][buffer_id] = work
         for key in ("outputs", "grads", "losses"):
             self.pipe_buffers[key][buffer_id] = None
+        if self.held_meter is not None:
+            self.held_meter.after_backward_input(buffer_id, work)
 
     def _exec_send_grad(self, buffer_id: int, home: int, mb: int, peer):
         inputs = _as_tuple(self.pipe_buffers["inputs"][buffer_id])
@@ -955,6 +1121,8 @@ class RecyclePipelineEngine(PipelineEngine):
             self._running_engine_backward = False
         for key in ("weight_work", "inputs", "labels", "input_grads"):
             self.pipe_buffers[key][buffer_id] = None
+        if self.held_meter is not None:
+            self.held_meter.after_backward_weight(buffer_id)
 
     def _exec_staggered_step(self):
         self.stepper.step()

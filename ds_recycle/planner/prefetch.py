@@ -34,6 +34,8 @@ class PrefetchRequest:
     options: ScheduleOptions
     nodes: tuple[tuple[Worker, ...], ...] = ()
     """The workers of each node, when the job runs on several (empty: one node)."""
+    memory_cap: int | None = None
+    """The planner's cap of micro-batches in flight per worker (None: its default)."""
 
 
 def next_failure_sets(request: PrefetchRequest) -> Iterator[tuple[Worker, ...]]:
@@ -107,7 +109,7 @@ class PlanPrefetcher:
                         request.microbatches,
                         failed,
                         request.costs,
-                        None,
+                        request.memory_cap,
                         request.options,
                     )
                 )
