@@ -40,6 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the delay doubles with each such failure",
     )
     parser.add_argument(
+        "--rebalance",
+        choices=("migrate", "off"),
+        default="migrate",
+        help="migrate (default): a rank given up past --max-restarts is retired, and a survivor of a stage with "
+        "workers to spare moves into it when the planner predicts it pays; off: the grid stays as failures left it",
+    )
+    parser.add_argument(
         "--preload",
         action="store_true",
         help="import torch (and torch._dynamo), deepspeed and ds_recycle.api once and fork every rank from that "
@@ -87,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         respawn=args.respawn,
         respawn_delay=args.respawn_delay,
         max_restarts=args.max_restarts,
+        rebalance=args.rebalance == "migrate",
         timeout=args.timeout,
         log_dir=None if args.log_dir is None else Path(args.log_dir),
         events=None if args.events is None else Path(args.events),

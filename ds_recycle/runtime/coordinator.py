@@ -14,7 +14,10 @@ Each tick it:
    ``leave`` comes from a member that is not already on its way out, a ``join`` is for a slot that
    is not a member of the current epoch and has no join pending. A ``probe`` (a member's peer stopped
    answering and no failure was published) publishes as failed every member whose process ended.
-   A refused request changes nothing; both outcomes are logged;
+   A ``move`` (a migration, proposed by the lowest member) is accepted from a member that is not
+   on its way out, into a retired slot of the same node that no other move fills (the launcher
+   that ran the mover starts the target on its device). A refused request changes nothing; both
+   outcomes are logged;
 3. checks heartbeats: a member whose last heartbeat (of its current incarnation) is older than the
    timeout is appended as ``failed`` and its process is killed through the launcher's callback, so a
    hung (SIGSTOPped) process can never come back as a member. A slot whose heartbeat is
@@ -184,6 +187,7 @@ class Coordinator:
         self._emit = events or _ignore
         self._kill = kill
         self._exits: queue.Queue[RankExit] = queue.Queue()
+        self._retired: queue.Queue[tuple[int, str]] = queue.Queue()
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._retry: RankExit | None = None
@@ -236,6 +240,20 @@ class Coordinator:
         self._exits.put(exit)
         self._wake.set()
 
+    def retire(self, slot: int, why: str) -> None:
+        """The launcher will not start ``slot`` again: published as ``retired`` by the thread, so
+        that a migration may fill it (``ds-recycle launch --rebalance``)."""
+        self._retired.put((slot, why))
+        self._wake.set()
+
+    def moved_to(self, slot: int) -> int | None:
+        """The slot that ``slot``'s device now serves, if ``slot`` left by a decided move (its last
+        change is a ``move`` and the current epoch no longer has it); else None."""
+        last = self._last_change(slot)
+        if last is None or last.kind != proto.MOVE or slot in self.membership().members:
+            return None
+        return last.target
+
     def all_ended(self) -> bool:
         """Every slot that ever started has ended (seen by waitpid here or on its node)."""
         with self._lock:
@@ -279,6 +297,7 @@ class Coordinator:
                 for node in list(self._held_joins):
                     self._release_joins(node)
         self._drain_exits()
+        self._drain_retired()
         self._poll_requests()
         if self.policy.enabled and time.monotonic() - self._last_heartbeat_check >= self._heartbeat_scan_seconds:
             began = self._last_heartbeat_check = time.monotonic()
@@ -296,6 +315,16 @@ class Coordinator:
                     return
             self._on_exit(self._retry)  # if it raises, the same exit is retried next tick
             self._retry = None
+
+    def _drain_retired(self) -> None:
+        while True:
+            try:
+                slot, why = self._retired.get_nowait()
+            except queue.Empty:
+                return
+            self._append(proto.RETIRED, slot, time.time(), why)
+            self._log(f"slot {slot} retired ({why}): a migration may fill it")
+            self._emit("retired", slot=slot, why=why)
 
     def _on_exit(self, exit: RankExit) -> None:
         if exit.returncode == 0 or exit.returncode == proto.RESTART_EXIT_CODE:
@@ -316,6 +345,7 @@ class Coordinator:
         # decided is failed too: the decision that admits it also removes it (the members may have
         # decided the join already, hence the alert; members not running with it ignore it).
         why = exit.describe() + (" while leaving" if last is not None and last.kind == proto.LEAVE else "")
+        why += f" while moving to slot {last.target}" if last is not None and last.kind == proto.MOVE else ""
         why += ": it gave up its join" if exit.returncode == proto.JOIN_GIVEN_UP_EXIT_CODE else ""
         why += " while its join was pending" if joining else ""
         self._append(proto.FAILED, exit.slot, exit.observed, why, alert=True)
@@ -364,6 +394,11 @@ class Coordinator:
         if request.kind == proto.JOIN and self.nodes.count > 1:
             self._hold_join(request)
             return
+        if request.kind == proto.MOVE:
+            self._append(proto.MOVE, request.slot, request.time, f"to slot {request.target}", target=request.target)
+            self._log(f"accepted move of slot {request.slot} to slot {request.target} (pid {request.pid})")
+            self._emit("accepted", kind=proto.MOVE, slot=request.slot, pid=request.pid, target=request.target)
+            return
         self._append(request.kind, request.slot, request.time, f"pid {request.pid}")
         self._log(f"accepted {request.kind} of slot {request.slot} (pid {request.pid})")
         self._emit("accepted", kind=request.kind, slot=request.slot, pid=request.pid)
@@ -405,13 +440,14 @@ class Coordinator:
         if request.kind == proto.PROBE:
             return "" if member else "not a member of the current epoch"
         last = self._last_change(request.slot)
-        leaving = last is not None and last.kind in (proto.FAILED, proto.LEAVE)
-        if request.kind == proto.LEAVE:
+        leaving = last is not None and last.kind in proto.OUT_KINDS
+        out = {proto.FAILED: "failed", proto.LEAVE: "leaving", proto.MOVE: "moving"}
+        if request.kind in (proto.LEAVE, proto.MOVE):
             if not member:
                 return "not a member of the current epoch"
             if leaving:
-                return f"already {'failed' if last.kind == proto.FAILED else 'leaving'}"
-            return ""
+                return f"already {out[last.kind]}"
+            return self._move_refusal(request) if request.kind == proto.MOVE else ""
         if member:
             # Even when its failure or leave is pending: the joiner would see its slot in the current
             # epoch and take the epoch of its predecessor for its own. It joins once that is decided.
@@ -420,6 +456,19 @@ class Coordinator:
             self.nodes.node_of(request.slot), {}
         ):
             return "a join of this slot is already pending"
+        return ""
+
+    def _move_refusal(self, request: Request) -> str:
+        target = request.target
+        if target is None or not 0 <= target < self.world_size:
+            return f"move target {target} out of range (0..{self.world_size - 1})"
+        with self._lock:
+            retired = proto.retired_slots(self._pending)
+        if target not in retired:
+            return f"slot {target} is not retired, or another move fills it (retired: {sorted(retired)})"
+        node, target_node = self.nodes.node_of(request.slot), self.nodes.node_of(target)
+        if target_node != node:
+            return f"slot {target} is on node {target_node}, the mover on node {node} (moves stay on a node)"
         return ""
 
     # ---- other nodes ---------------------------------------------------------------------------
@@ -588,16 +637,19 @@ class Coordinator:
 
     # ---- pending -------------------------------------------------------------------------------
 
-    def _append(self, kind: str, slot: int, when: float, detail: str, alert: bool = False) -> None:
-        self._append_all([(kind, slot, when, detail)], alert)
+    def _append(
+        self, kind: str, slot: int, when: float, detail: str, alert: bool = False, target: int | None = None
+    ) -> None:
+        self._append_all([(kind, slot, when, detail, target)], alert)
 
-    def _append_all(self, changes: list[tuple[str, int, float, str]], alert: bool = False) -> None:
-        """Append ``changes`` (kind, slot, time, detail) in one write: a decision takes all or none."""
+    def _append_all(self, changes: list[tuple], alert: bool = False) -> None:
+        """Append ``changes`` (kind, slot, time, detail[, target]) in one write: a decision takes all
+        or none."""
         if not changes:
             return
         with self._lock:
-            for kind, slot, when, detail in changes:
-                self._pending.append(Change(len(self._pending), kind, slot, when, detail))
+            for kind, slot, when, detail, *target in changes:
+                self._pending.append(Change(len(self._pending), kind, slot, when, detail, *target))
             text = proto.changes_to_json(self._pending)
         self._store.set(proto.PENDING, text)
         failures = sum(1 for kind, *_ in changes if kind == proto.FAILED)
@@ -616,9 +668,9 @@ class Coordinator:
         return None
 
     def _out(self, slot: int) -> bool:
-        """The slot's last change is a failure or a leave: it is on its way out already."""
+        """The slot's last change is a failure, a leave or a move: it is on its way out already."""
         last = self._last_change(slot)
-        return last is not None and last.kind in (proto.FAILED, proto.LEAVE)
+        return last is not None and last.kind in proto.OUT_KINDS
 
 
 def _ignore(event: str, **fields: object) -> None:

@@ -71,8 +71,10 @@ EVENTS = {
     "restarting": "generation: every rank starts again from the checkpoint",
     "stopped": "slot: a rank stopped the job (training cannot go on in place)",
     "given_up": "slot, failures: a slot that keeps failing is not respawned again",
+    "retired": "slot, why: the coordinator published that a slot will not be started again (--rebalance)",
+    "moved": "slot, target, local_rank: a mover left its slot; a process for target starts on its device",
     "published_failure": "slot, cause (exit, heartbeat, probe, node), why, epoch[, node, latency_ms]",
-    "accepted": "kind (join, leave), slot, pid: the coordinator accepted a request",
+    "accepted": "kind (join, leave, move), slot, pid[, target]: the coordinator accepted a request",
     "refused": "index, kind, slot, pid, reason: ... or refused one",
     "probe": "slot, pid, epoch, ended: a member found a peer gone with no failure published",
     "skipped_request": "index",
@@ -197,11 +199,17 @@ class LaunchConfig:
     """A process that ran this long before it failed ends its slot's run of quick failures."""
     max_backoff: float = 60.0
     """The respawn delay doubles with each quick failure in a row, up to this many seconds."""
+    rebalance: bool = True
+    """``--rebalance migrate``: a slot given up is published as retired, so that a survivor of a
+    stage with workers to spare may move into it (the ranks propose the move when the planner
+    predicts it pays); ``off``: the grid stays as the failures left it."""
 
 
 @dataclass
 class _Slot:
     slot: int
+    local_rank: int
+    """The device it runs on; a migration gives a retired slot the device of the mover."""
     proc: subprocess.Popen | PreloadedProcess | None = None
     incarnation: int = 0
     returncode: int | None = None
@@ -230,7 +238,7 @@ class Launcher:
         self.events = EventStream(config.events)
         self._procs_lock = threading.Lock()  # reaping vs. the coordinator's kill
         first = config.node_rank * config.nproc
-        self.slots = [_Slot(r) for r in range(first, first + config.nproc)]
+        self.slots = [_Slot(r, r - first) for r in range(first, first + config.nproc)]
         self._by_slot = {s.slot: s for s in self.slots}
         self.world_size = config.nnodes * config.nproc
         self.generation = 0
@@ -397,7 +405,7 @@ class Launcher:
         env.update(
             {
                 "RANK": str(s.slot),
-                "LOCAL_RANK": str(s.slot - config.node_rank * config.nproc),
+                "LOCAL_RANK": str(s.local_rank),
                 "GROUP_RANK": str(config.node_rank),
                 "NODE_RANK": str(config.node_rank),
                 "WORLD_SIZE": str(self.world_size),
@@ -566,12 +574,27 @@ class Launcher:
             return
         if self.restart_requested or not respawn:
             return
+        target = self.coordinator.moved_to(s.slot) if self.hosts_coordinator and self.config.rebalance else None
+        if target is not None and not self.finished:
+            self._start_moved(s, self._by_slot[target])
+            return
         if code == 0 and not self.finished and s.slot in self._membership().members:
             self.finished = True
             self.log(f"rank {s.slot} completed training: the job is finished, no more respawns")
             self.emit("completed", slot=s.slot)
         if self.config.respawn and not self.finished:
             self._schedule_respawn(s, code)
+
+    def _start_moved(self, mover: _Slot, target: _Slot) -> None:
+        """A mover left its slot by a decided move: its device serves ``target`` from now on (a
+        joiner, started at once), and its own slot is retired in turn."""
+        mover.given_up, mover.respawn_at = True, None
+        target.local_rank, mover.local_rank = mover.local_rank, target.local_rank
+        target.given_up, target.quick_failures = False, []
+        target.respawn_at = time.monotonic()
+        self.log(f"rank {mover.slot} moved: rank {target.slot} starts on its device (local rank {target.local_rank})")
+        self.emit("moved", slot=mover.slot, target=target.slot, local_rank=target.local_rank)
+        self.coordinator.retire(mover.slot, f"its device moved to slot {target.slot}")
 
     def _schedule_respawn(self, s: _Slot, code: int) -> None:
         """Respawn after ``respawn_delay``; a slot that fails again soon after its start waits
@@ -591,6 +614,8 @@ class Launcher:
                 f"({', '.join(s.quick_failures)}): not respawning it again (--max-restarts {config.max_restarts}); "
                 "the job goes on without it"
             )
+            if config.rebalance and self.hosts_coordinator:
+                self.coordinator.retire(s.slot, f"given up after {failures} quick failures")
             return
         delay = config.respawn_delay * 2 ** max(0, failures - 1)
         delay = min(delay, max(config.max_backoff, config.respawn_delay))
@@ -791,6 +816,8 @@ def launch(
     membership: bool = True,
     events: Path | None = None,
     preload: tuple[str, ...] = (),
+    max_restarts: int | None = None,
+    rebalance: bool = True,
 ) -> list[RankResult]:
     """Run ``python argv...`` as ranks 0..world_size-1 under a :class:`Launcher`.
 
@@ -812,6 +839,8 @@ def launch(
         membership=membership,
         events=events,
         preload=preload,
+        max_restarts=max_restarts,
+        rebalance=rebalance,
     )
     launcher = Launcher(config, echo=echo or (lambda line: None))
     launcher.run()

@@ -98,8 +98,13 @@ class MembershipAgent:
 
     # ---- requests --------------------------------------------------------------------------
 
-    def request(self, kind: str, store: Store | None = None) -> None:
-        proto.post_request(store or self.store, Request(kind, self.slot, self.token, os.getpid(), time.time()))
+    def request(
+        self, kind: str, store: Store | None = None, slot: int | None = None, target: int | None = None
+    ) -> None:
+        """Post a request for this slot (or ``slot``: the lowest member proposes a migration of
+        another member into ``target``)."""
+        slot = self.slot if slot is None else slot
+        proto.post_request(store or self.store, Request(kind, slot, self.token, os.getpid(), time.time(), target))
 
     def install_leave_handler(self) -> None:
         """SIGTERM, SIGINT or SIGHUP (a preemption notice, ``scancel``, a closed terminal) means:
@@ -204,13 +209,19 @@ class MembershipAgent:
         latest = proto.read_membership(store)
         return self.failure_among(set(self.current.members) | set(latest.members), store)
 
+    def migrations(self) -> tuple[set[int], dict[int, int]]:
+        """The retired slots no move fills, and the accepted moves not decided yet (mover ->
+        target), from every change the coordinator accepted so far."""
+        pending = proto.read_pending(self.store)
+        return proto.retired_slots(pending), proto.moves_under_way(pending, self.current.members)
+
     def failures_applied(self) -> int:
         """How many failures the decisions so far took into account (the launcher adds a failure to
         ``pending`` before it raises ``alert``, so the alert count can be compared with this)."""
         return sum(1 for c in proto.read_pending(self.store)[: self.applied] if c.kind == proto.FAILED)
 
     def _survivors(self, changes: tuple[Change, ...]) -> list[int]:
-        gone = {c.slot for c in changes if c.kind in (proto.FAILED, proto.LEAVE)}
+        gone = {c.slot for c in changes if c.kind in proto.OUT_KINDS}
         return [s for s in self.current.members if s not in gone]
 
     def enter(self, membership: Membership, failure_announced: Callable[[], bool], timeout: float) -> None:

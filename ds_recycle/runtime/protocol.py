@@ -19,7 +19,9 @@ nodes                           the number of nodes (world_size / nodes ranks ea
 epoch/<n>                       :class:`Membership` JSON                               members
 current_epoch                   n, advanced by compare_set from n-1                    members
 request_count, request/<k>      :class:`Request` JSON (k from ``add(request_count,1)``)  anyone
-pending                         JSON list of :class:`Change` (append-only, seq = index)  launcher
+pending                         JSON list of :class:`Change` (append-only, seq = index):  launcher
+                                ``failed``, ``leave``, ``join``, ``move`` (a migration),
+                                ``retired`` (a slot that will not be started again)
 alert                           counter, +1 per failure put in ``pending``             launcher
 alert/<slot>/<k>                set for every slot, in one write, when ``alert`` is k;  launcher
                                 a member's failure watcher blocks on its own next one  (its own
@@ -96,7 +98,15 @@ JOIN = "join"
 FAILED = "failed"
 PROBE = "probe"
 """A request, never a change: a member's peer stopped answering and no failure was published."""
-REQUEST_KINDS = (LEAVE, JOIN, PROBE)
+MOVE = "move"
+"""A migration: member ``slot`` leaves at the boundary that takes it, and the agent that ran it
+starts a process for ``target`` on the same device, which joins as any respawn does."""
+RETIRED = "retired"
+"""A change, never a request: the agent will not start ``slot`` again (it kept failing, or a mover
+left it), so a migration may fill it. It changes no membership."""
+REQUEST_KINDS = (LEAVE, JOIN, PROBE, MOVE)
+OUT_KINDS = (FAILED, LEAVE, MOVE)
+"""The kinds of change that take a member out of the next epoch."""
 
 
 HEARTBEAT_STOPPED = "stopped"
@@ -294,13 +304,15 @@ class Membership:
 
 @dataclass(frozen=True)
 class Request:
-    """A trainer asks to leave, or a new process asks to join, slot ``slot``."""
+    """A trainer asks to leave, or a new process asks to join, slot ``slot``; a member asks that
+    ``slot`` move into ``target`` (a migration)."""
 
     kind: str
     slot: int
     token: str
     pid: int
     time: float
+    target: int | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -308,7 +320,15 @@ class Request:
     @classmethod
     def from_json(cls, text: str | bytes) -> Request:
         data = json.loads(text)
-        return cls(str(data["kind"]), int(data["slot"]), str(data["token"]), int(data["pid"]), float(data["time"]))
+        target = data.get("target")
+        return cls(
+            str(data["kind"]),
+            int(data["slot"]),
+            str(data["token"]),
+            int(data["pid"]),
+            float(data["time"]),
+            None if target is None else int(target),
+        )
 
 
 @dataclass(frozen=True)
@@ -405,6 +425,8 @@ class Change:
     slot: int
     time: float
     detail: str = ""
+    target: int | None = None
+    """The slot a ``move`` fills."""
 
 
 def changes_to_json(changes: list[Change]) -> str:
@@ -413,9 +435,44 @@ def changes_to_json(changes: list[Change]) -> str:
 
 def changes_from_json(text: str | bytes) -> list[Change]:
     return [
-        Change(int(c["seq"]), c["kind"], int(c["slot"]), float(c["time"]), c.get("detail", ""))
+        Change(
+            int(c["seq"]),
+            c["kind"],
+            int(c["slot"]),
+            float(c["time"]),
+            c.get("detail", ""),
+            None if c.get("target") is None else int(c["target"]),
+        )
         for c in json.loads(text)
     ]
+
+
+def retired_slots(changes: list[Change]) -> set[int]:
+    """Slots a migration may fill: their last change is ``retired`` (their agent will not start
+    them again) and no move fills them already. A move fills its target from its acceptance on,
+    unless its mover fails before the move is decided (then it is void)."""
+    last: dict[int, Change] = {}
+    filled_at: dict[int, int] = {}
+    moving: dict[int, int] = {}
+    """Mover -> target, while the move may still be undecided."""
+    for change in changes:
+        last[change.slot] = change
+        if change.kind == MOVE and change.target is not None:
+            filled_at[change.target] = change.seq
+            moving[change.slot] = change.target
+        elif change.slot in moving:
+            target = moving.pop(change.slot)
+            if change.kind == FAILED:
+                filled_at.pop(target, None)
+    return {slot for slot, change in last.items() if change.kind == RETIRED and filled_at.get(slot, -1) < change.seq}
+
+
+def moves_under_way(changes: list[Change], members: tuple[int, ...]) -> dict[int, int]:
+    """Mover -> target of the accepted moves whose mover is still a member (not yet decided)."""
+    last: dict[int, Change] = {}
+    for change in changes:
+        last[change.slot] = change
+    return {slot: c.target for slot, c in last.items() if c.kind == MOVE and slot in members and c.target is not None}
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from typing import Protocol
 import torch
 
 from ds_recycle.log import logger
-from ds_recycle.runtime import exit_guard, placement, rejoin, reporting
+from ds_recycle.runtime import exit_guard, placement, rebalance, rejoin, reporting
 from ds_recycle.runtime import protocol as proto
 from ds_recycle.runtime.events import MembershipChange
 from ds_recycle.runtime.groups import GROUP_TIMEOUT_SECONDS, RecycleGrid, connect_all_pairs, rebuild_world
@@ -108,6 +108,8 @@ class Trainee(Protocol):
     def record_change(self, change) -> None: ...
 
     def is_lowest_live_rank(self) -> bool: ...
+
+    def predicted_iteration_time(self, failed: tuple[tuple[int, int], ...]) -> float: ...
 
 
 class RankRuntime:
@@ -269,13 +271,16 @@ class RankRuntime:
         self.engine.waiter.check("the iteration boundary")
         decision = self.agent.decide(self.engine.global_steps)
         if decision.next is None:
+            self._propose_move(decision)
             self._enter_phase(Phase.TRAINING)
             return
         began = time.time()
         if self.engine.slot not in decision.next.members:
+            moves = [c.target for c in decision.changes if c.kind == proto.MOVE and c.slot == self.engine.slot]
             logger.info(
                 f"ReCycle: slot {self.engine.slot} (worker {self.engine.worker}) left the job at iteration "
                 f"{self.engine.global_steps}"
+                + (f": it moves, its device re-joins as slot {moves[-1]}" if moves else "")
             )
             self._leave()
         before = reporting.Before.of(self.engine)
@@ -283,7 +288,26 @@ class RankRuntime:
         self._enter_epoch(decision)
         self.engine.check_data_available()
         self._report(decision, before, began)
+        self._propose_move(decision)
         self._enter_phase(Phase.TRAINING)
+
+    def _propose_move(self, decision: Decision) -> None:
+        """After a decision with changes, the lowest member proposes the migration that pays, if a
+        slot is retired (:mod:`ds_recycle.runtime.rebalance`); the coordinator validates it."""
+        if not decision.changes or not self.engine.is_lowest_live_rank():
+            return
+        retired, under_way = self.agent.migrations()
+        if not retired:
+            return
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0) or 0) or self.engine.module._topo.world_size()
+        proposal = rebalance.propose(self.engine, retired, under_way, per_node)
+        if proposal is None:
+            logger.info(
+                f"ReCycle: retired slots {sorted(retired)}: no move pays (predicted gain < {rebalance.MIN_GAIN:.0%})"
+            )
+            return
+        logger.info(f"ReCycle: slot {self.engine.slot} proposes to {proposal.describe()}")
+        self.agent.request(proto.MOVE, slot=proposal.mover, target=proposal.target)
 
     def _enter_epoch(self, decision: Decision) -> None:
         """Enter the epoch ``decision`` makes: every member counted in, then its world, its grid,
@@ -358,6 +382,7 @@ class RankRuntime:
                 detected=detected,
                 rolled_back=rolled_back,
             )
+            self._propose_move(decision)
             self._enter_phase(Phase.TRAINING)
             return
         raise RuntimeError(f"ReCycle: no consistent epoch after {MAX_RECOVERY_ROUNDS} recovery rounds")

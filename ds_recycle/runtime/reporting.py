@@ -25,6 +25,7 @@ from ds_recycle.runtime.protocol import (
     FAILED,
     JOIN,
     LEAVE,
+    MOVE,
     ChangeReport,
     Decision,
     GanttOp,
@@ -61,7 +62,8 @@ def _net_changes(decision: Decision, members_before, members_after, worker_of) -
     wanted = {LEAVE: set(members_before), FAILED: set(members_before), JOIN: after}
     workers: dict[str, tuple] = {}
     for kind in KINDS:
-        slots = dict.fromkeys(c.slot for c in decision.changes if c.kind == kind and c.slot in wanted[kind])
+        kinds = (LEAVE, MOVE) if kind == LEAVE else (kind,)  # a mover leaves; its device joins as its target
+        slots = dict.fromkeys(c.slot for c in decision.changes if c.kind in kinds and c.slot in wanted[kind])
         workers[kind] = tuple(worker_of(slot) for slot in slots)
     return workers
 

@@ -203,10 +203,10 @@ def slot_state(member: bool, last: Change | None, slow: bool) -> str:
     if member:
         if last is not None and last.kind == proto.FAILED:
             return FAILED
-        if last is not None and last.kind == proto.LEAVE:
+        if last is not None and last.kind in (proto.LEAVE, proto.MOVE):
             return LEAVING
         return SLOW if slow else LIVE
-    if last is None or last.kind == proto.LEAVE:
+    if last is None or last.kind in (proto.LEAVE, proto.MOVE, proto.RETIRED):
         return OUT
     return JOINING if last.kind == proto.JOIN else FAILED
 
