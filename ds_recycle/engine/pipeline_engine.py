@@ -571,6 +571,7 @@ class RecyclePipelineEngine(PipelineEngine):
 
     def _run_evaluation(self, evaluation: Evaluation, return_logits: bool) -> torch.Tensor:
         evaluation.attempts += 1
+        self._refresh_memory_cap()  # a joiner's first call may be an evaluation: it plans with the others' cap
         evaluation.failed = self.grid.failed
         evaluation.forwards, evaluation.losses = [], {}
         stream = self._eval_stream(evaluation.micro_batches, evaluation.data)
