@@ -48,9 +48,9 @@ class Harness:
             self.coordinator.rank_started(slot, 0, self.started)
         self.coordinator.start()
 
-    def request(self, kind: str, slot: int, token: str = TOKEN, pid: int = 4242) -> None:
+    def request(self, kind: str, slot: int, token: str = TOKEN, pid: int = 4242, target: int | None = None) -> None:
         index = self.store.add(proto.REQUEST_COUNT, 1)
-        self.store.set(proto.request_key(index), Request(kind, slot, token, pid, time.time()).to_json())
+        self.store.set(proto.request_key(index), Request(kind, slot, token, pid, time.time(), target).to_json())
 
     def pending(self) -> list[proto.Change]:
         return proto.changes_from_json(self.store.get(proto.PENDING)) if self.store.check([proto.PENDING]) else []
@@ -141,6 +141,47 @@ def test_waitpid_exit_of_a_member_is_published_once_as_a_failure(harness):
     h.wait_for_line("published failure of slot 2 (signal SIGKILL while its join was pending) in epoch 1")
     assert [(c.kind, c.slot) for c in h.pending()][-1] == (proto.FAILED, 2)
     assert h.alerts() == 3
+
+
+def test_a_move_is_accepted_only_into_a_retired_slot_that_no_other_move_fills(harness):
+    """Migration (``ds-recycle launch --rebalance``): the launcher retires a slot it gave up; a
+    member may then move into it, once; a mover that dies before its move is decided is a failure
+    and voids the move; a decided mover's slot is what the launcher asks ``moved_to`` about."""
+    h = harness
+    h.coordinator.rank_exited(RankExit(slot=3, incarnation=0, returncode=-9, observed=time.time()))
+    h.wait_for_line("published failure of slot 3")
+    h.advance((0, 1, 2))
+    h.request(proto.MOVE, 1, target=3)
+    h.wait_for_line("refused move request for slot 1 from pid 4242: slot 3 is not retired")
+    h.coordinator.retire(3, "given up after 1 quick failures")
+    h.wait_for_line("slot 3 retired (given up after 1 quick failures): a migration may fill it")
+    h.request(proto.MOVE, 3, target=3)
+    h.wait_for_line("refused move request for slot 3 from pid 4242: not a member")
+    h.request(proto.MOVE, 1, target=WORLD)
+    h.wait_for_line(f"move target {WORLD} out of range")
+    h.request(proto.MOVE, 1, target=3, token="b" * 32)
+    h.wait_for_line("refused move request for slot 1 from pid 4242: wrong token")
+    assert [c.kind for c in h.pending()] == [proto.FAILED, proto.RETIRED], "a refused move changes nothing"
+    h.request(proto.MOVE, 1, target=3)
+    h.wait_for_line("accepted move of slot 1 to slot 3")
+    h.request(proto.MOVE, 2, target=3)
+    h.wait_for_line("refused move request for slot 2 from pid 4242: slot 3 is not retired, or another move fills it")
+    h.request(proto.LEAVE, 1)
+    h.wait_for_line("refused leave request for slot 1 from pid 4242: already moving")
+    assert h.coordinator.moved_to(1) is None, "not decided: slot 1 is still a member"
+    # The mover dies before its boundary: a failure (its peers may wait on it); the move is void.
+    h.coordinator.rank_exited(RankExit(slot=1, incarnation=0, returncode=-9, observed=time.time()))
+    h.wait_for_line("published failure of slot 1 (signal SIGKILL while moving to slot 3)")
+    assert proto.retired_slots(h.pending()) == {3}
+    h.advance((0, 2))
+    h.request(proto.MOVE, 2, target=3)
+    h.wait_for_line("accepted move of slot 2 to slot 3")
+    assert proto.moves_under_way(h.pending(), (0, 2)) == {2: 3}
+    h.advance((0,))  # the boundary that takes the move: slot 2 leaves, its device serves slot 3
+    assert h.coordinator.moved_to(2) == 3
+    assert proto.moves_under_way(h.pending(), (0,)) == {}
+    kinds = [(c.kind, c.slot, c.target) for c in h.pending()]
+    assert kinds[-1] == (proto.MOVE, 2, 3) and h.alerts() == 2
 
 
 def test_every_decision_it_logs_is_also_a_structured_event(harness):
