@@ -760,10 +760,12 @@ class RecyclePipelineEngine(PipelineEngine):
         self._memory_row: BudgetRow | None = None
 
     def _refresh_memory_cap(self) -> None:
-        """At the start of the first iteration of every epoch after this job's first (the first
-        measures), the live workers agree on the bytes of every stage (one all-reduce over the
-        world); until every stage has a measured replica, at the start of every iteration. A
-        change of the planner's cap re-plans, on every rank at the same boundary."""
+        """At the start of the first iteration (or evaluation) of every epoch after this job's first
+        iteration (which measures), the live workers agree on the bytes of every stage (one
+        all-reduce over the world); until every stage has a measured replica, at the start of every
+        iteration. Whether it runs depends only on the epoch, the iteration and whether this epoch
+        has agreed, which every member shares. A change of the planner's cap re-plans, on every rank
+        at the same boundary."""
         epoch = self.grid.membership.epoch
         if not self._memory_budgeted or self.global_steps < 1 or self._memory_epoch == epoch:
             return
@@ -856,14 +858,14 @@ class RecyclePipelineEngine(PipelineEngine):
         missing or a straggler is routed around (as a failure is), else the fault-free plan.
         Raises :class:`MemoryCapError` when the plan of a failure set cannot fit."""
         D, P, options = self.grid.data_parallel_size, self.num_stages, self._schedule_options()
-        budget = self.memory_budget
-        if not failed and not costs.slow:
+        budget, cap = self.memory_budget, self._failure_cap()
+        plannable = cap is None or cap >= 1
+        if not failed and (not costs.slow or not plannable):  # no straggler is routed around where nothing fits
             plan = fault_free_plan(D, P, micro_batches, costs=costs, options=options)
             if budget is not None and budget.least >= 1 and budget.over(peak_in_flight(plan)):
                 plan = fault_free_plan(D, P, micro_batches, costs, budget.least, options)
             return plan
-        cap = self._failure_cap()
-        if cap is not None and cap < 1:
+        if not plannable:
             raise self._cannot_fit(failed, cap, "not even one micro-batch fits beside the static bytes")
         try:
             plan = self.plan_cache.get_or_plan(D, P, micro_batches, failed, costs, cap, options)

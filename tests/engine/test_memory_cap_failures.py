@@ -21,9 +21,9 @@ import torch
 from ds_recycle.engine.memory_cap import AUDIT_ENV, GIB, peak_in_flight
 from ds_recycle.planner.heuristic import plan_heuristic
 from ds_recycle.testing.jobs import (
-    M,
     RTOL,
     Job,
+    M,
     assert_ledger_exact,
     fault_free,
     final_states,
