@@ -23,7 +23,15 @@ last rank's end of iteration i - 1 (wall clock of one host).
 
 The ranks run ds_recycle/testing/worker.py with ``--gate --timings``.
 
-    .venv/bin/python bench/failures.py [--ms 40] [--iterations 12] [--json out.json] [--smoke]
+``--rebalance`` runs instead the migration rows (issue 20): pp=2 x dp=4, m=8, two workers of stage
+1 SIGKILLed and given up (``--max-restarts 0``), so that stage 1 keeps 2 of its 4 workers. One
+launch with ``--rebalance off`` (the grid stays unbalanced), one with ``--rebalance migrate`` (a
+stage-0 worker moves into a dead stage-1 slot: 3 and 3). It prints each epoch's measured iteration
+time against the planner's and the fault-free phase, the balanced / unbalanced throughput, and
+the move's cost: from the move's acceptance to the joiner's first iteration, and the time the
+transition's iterations took beyond the balanced rate.
+
+    .venv/bin/python bench/failures.py [--ms 40] [--iterations 12] [--json out.json] [--smoke] [--rebalance]
 """
 
 from __future__ import annotations
@@ -144,6 +152,97 @@ def run_mode(
     return result
 
 
+REBALANCE_PP, REBALANCE_DP = 2, 4
+LOST = [(2, 1), (3, 1)]
+"""Two workers of stage 1, killed and given up in the migration rows."""
+
+
+def run_rebalance(rebalance: str, ms: float, iterations: int, workdir: Path, timeout: float) -> dict:
+    """One launch: fault-free, then LOST SIGKILLed at their first F of one iteration and given up;
+    with ``migrate``, measured until after the mover's device re-joined."""
+    began = time.time()
+    config = ds_config(M, 0.0, {"enabled": True, "emulate_timing": {"F": ms, "B": ms, "W": ms}})
+    steps = WARMUP + 3 * iterations + 12
+    tmp = workdir / f"rebalance_{rebalance}"
+    job = Job(tmp, REBALANCE_PP, REBALANCE_DP, steps, config, "sgd", respawn=True, timeout=timeout)
+    job.worker_args = ["--timings"]
+    job.launcher_args = ["--max-restarts", "0", "--rebalance", rebalance]
+    at = WARMUP + iterations + 1
+    lost = [slot(REBALANCE_DP, p, s) for p, s in LOST]
+    job.traps = [f"{s}:F:{at}" for s in lost]
+    job.start()
+    try:
+        for s in lost:
+            job.signal_when_trapped(s)
+        if rebalance == "migrate":
+            job.wait_for_event("moved", timeout=300)
+            job.wait_for_event("accepted", timeout=300, kind="join")
+    except BaseException:
+        job.kill()
+        raise
+    code = job.finish()
+    if code != 0:
+        raise SystemExit(f"rebalance {rebalance}: the launcher exited {code}\n{job.log_tail()}")
+    processes = load_processes(job.out)
+    rows = measure(f"rebalance {rebalance}", job.out, steps)
+    fault_free = next((r for r in rows if not r.failed), None)
+    for row in rows:
+        row.kept = fault_free.median_ms / row.median_ms if fault_free else float("nan")
+    result = {"rebalance": rebalance, "rows": rows, "wall_seconds": time.time() - began}
+    if rebalance == "migrate":
+        result.update(move_cost(job, processes, rows))
+    return result
+
+
+def move_cost(job: Job, processes: list[dict], rows: list[Row]) -> dict:
+    """From the move's acceptance to the joiner's first iteration (wall seconds), and the extra
+    seconds the iterations from the failure to the balanced epoch took beyond its median."""
+    accepted = job.events.select("accepted", kind="move")[0]["time"]
+    changes = {c["epoch"]: c for process in processes for c in process["changes"]}
+    joined = next(c for _, c in sorted(changes.items()) if c["joined"])
+    failed_first = min(c["iteration"] for c in changes.values() if c["failed"])
+    balanced = next(r for r in rows if r.epoch == joined["epoch"])
+    ends = iteration_ends(processes)
+    span = [i for i in range(failed_first, joined["iteration"] + 1) if i in ends and i - 1 in ends]
+    extra = sum(ends[i] - ends[i - 1] for i in span) - len(span) * balanced.median_ms / 1e3
+    return {
+        "accepted_to_joined_s": joined["time"] - accepted,
+        "transition_iterations": len(span),
+        "extra_seconds": extra,
+        "balanced_ms": balanced.median_ms,
+    }
+
+
+def report_rebalance(results: list[dict], args: argparse.Namespace, load_before: str) -> None:
+    print(
+        f"pp={REBALANCE_PP} dp={REBALANCE_DP} m={M}, F=B=W={args.ms:g} ms emulated, ds-recycle launch --max-restarts 0 "
+        f"on {os.cpu_count()} cores; load average before {load_before}, after {load_average()}"
+    )
+    print(f"workers {describe(LOST)} SIGKILLed and given up (stage 1 keeps 2 of 4); times in ms")
+    print(f"{'rebalance':10}{'gone':22}{'iters':>6}{'median':>9}{'predicted':>10}{'meas/pred':>10}{'kept':>7}")
+    for result in results:
+        for row in result["rows"]:
+            print(
+                f"{result['rebalance']:10}{describe(row.failed):22}{len(row.iterations):6d}{row.median_ms:9.1f}"
+                f"{row.predicted_ms:10.1f}{row.measured_over_predicted:10.3f}{row.kept:7.3f}"
+            )
+    off, on = results
+    unbalanced = next(r for r in off["rows"] if sorted(r.failed) == sorted(LOST))
+    balanced = next(r for r in on["rows"] if r.median_ms == on["balanced_ms"])
+    print(
+        f"rebalanced / unbalanced throughput: measured {unbalanced.median_ms / balanced.median_ms:.3f}, "
+        f"predicted {unbalanced.predicted_ms / balanced.predicted_ms:.3f}; kept of fault-free: unbalanced "
+        f"{unbalanced.kept:.3f}, rebalanced {balanced.kept:.3f}"
+    )
+    print(
+        f"the move: accepted -> joiner training {on['accepted_to_joined_s']:.2f} s; the {on['transition_iterations']} "
+        f"iterations from the failure to the balanced epoch took {on['extra_seconds']:.2f} s more than at the "
+        f"balanced rate (paid back after {on['extra_seconds'] * 1e3 / (unbalanced.median_ms - balanced.median_ms):.1f} "
+        "balanced iterations)"
+    )
+    print(", ".join(f"wall time with --rebalance {r['rebalance']}: {r['wall_seconds']:.0f} s" for r in results))
+
+
 def load_processes(out: Path) -> list[dict]:
     """Every process's last saved state: final records, else what it saved after its last iteration."""
     final = {p.name: torch.load(p, weights_only=False) for p in out.glob("[0-9]*.pt")}
@@ -154,13 +253,18 @@ def load_processes(out: Path) -> list[dict]:
     return processes
 
 
-def measure(mode: str, out: Path, steps: int) -> list[Row]:
-    processes = load_processes(out)
-    # The job's period: the last end of iteration i over every process that ran it.
+def iteration_ends(processes: list[dict]) -> dict[int, float]:
+    """The job's period: the last end of iteration i over every process that ran it."""
     ends: dict[int, float] = {}
     for process in processes:
         for call in process["calls"]:
             ends[call["done"] - 1] = max(ends.get(call["done"] - 1, 0.0), call["end"])
+    return ends
+
+
+def measure(mode: str, out: Path, steps: int) -> list[Row]:
+    processes = load_processes(out)
+    ends = iteration_ends(processes)
     # Epochs: the first iteration and the plan each ran, from every process's changes and calls.
     epochs: dict[int, dict] = {}
     for process in processes:
@@ -222,6 +326,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     parser.add_argument("--keep", type=Path, default=None, help="keep the jobs' files in this directory")
     parser.add_argument("--smoke", action="store_true", help="ReCycle only, few short iterations (for the test suite)")
+    parser.add_argument("--rebalance", action="store_true", help="the migration rows instead (see the module doc)")
     args = parser.parse_args()
     modes, steps = dict(MODES), 3 * args.iterations + 20
     if args.smoke:
@@ -229,6 +334,14 @@ def main() -> None:
         modes, steps = {"ReCycle": MODES["ReCycle"]}, 3 * args.iterations + 40
     load_before = load_average()
     workdir = Path(tempfile.mkdtemp(prefix="ds_recycle_failures_")) if args.keep is None else args.keep
+    if args.rebalance:
+        try:
+            runs = [run_rebalance(r, args.ms, args.iterations, workdir, args.timeout) for r in ("off", "migrate")]
+        finally:
+            if args.keep is None:
+                shutil.rmtree(workdir, ignore_errors=True)
+        report_rebalance(runs, args, load_before)
+        return
     try:
         results = [
             run_mode(mode, o, args.ms, args.iterations, steps, workdir, args.timeout) for mode, o in modes.items()
