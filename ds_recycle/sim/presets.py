@@ -4,7 +4,9 @@ Per-layer times and memory are per GPT-3-family decoder layer, bf16 autocast, se
 micro-batch 1 sequence, tensor-parallel degree 1, measured on one H100 (docs/simulator.md, Sources).
 350M and 2.7B were not measured: they are scaled from the 1.3B layer by matmul FLOPs (times)
 and by hidden size (memory), which makes the small layers optimistic (kernels are less
-efficient at small sizes).
+efficient at small sizes). What a micro-batch holds between B and W is not from that probe
+(which saved fp32 copies of the Linear inputs): it is the W path's measured bytes,
+:func:`w_path_held_mib`.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class ModelSpec:
     act_mib: float
     """Activations one micro-batch holds between F and B."""
     held_mib: float
-    """What one micro-batch holds between B and W when W is deferred."""
+    """What one micro-batch holds between B and W when W is deferred (presets: :func:`w_path_held_mib`)."""
     tp: int = 1
     """Tensor-parallel degree: one pipeline worker is a group of ``tp`` GPUs."""
     source: str = "measured"
@@ -85,6 +87,22 @@ class Hardware:
             raise ValueError("hardware: usable_memory and tp_efficiency must be in (0, 1]")
 
 
+W_PATH_HELD_BYTES = 32.0
+"""Bytes the W path (engine/weight_grad.py) holds between B and W per token and hidden unit of a
+decoder layer under bf16 autocast: the inputs of the four Linears (h + h + h + 4h) and their output
+gradients (3h + h + 4h + h), 16 bf16 elements. Measured by engine/held_memory.py in
+bench/backward_split_output.txt, "path" rows: bf16, 2.00 MiB over 4 layers x 64 tokens x 2 x 128 =
+32 B; fp32, 64 B (16 x 4) at all three shapes. That is 0.80 of the H100 layer's ``act_mib``; the
+bench's ratio to bytes after F (0.50 in bf16) is not used, since its "after F" is a CPU stage of
+64 tokens with unfused attention and grows with the sequence (0.40 at 512 tokens)."""
+
+
+def w_path_held_mib(hidden: int) -> float:
+    """MiB one micro-batch (one sequence of ``SEQ_LEN``) holds between B and W per decoder layer,
+    tensor-parallel degree 1."""
+    return W_PATH_HELD_BYTES * SEQ_LEN * hidden / 2**20
+
+
 VOCAB = 50257
 """GPT-2/GPT-3 BPE vocabulary: the LM head on the last stage, the embedding on the first."""
 
@@ -110,21 +128,34 @@ def _scaled(name: str, layers: int, hidden: int, ref: ModelSpec) -> ModelSpec:
         ref.W_ms * t,
         ref.fused_ms * t,
         ref.act_mib * mem,
-        ref.held_mib * mem,
+        w_path_held_mib(hidden),
         source=f"scaled from {ref.name} by FLOPs",
     )
 
 
-_GPT3_1_3B = ModelSpec("1.3B", 24, 2048, 50.4e6, 0.750, 1.090, 0.538, 1.393, 160, 152)
+def _measured(
+    name: str,
+    layers: int,
+    hidden: int,
+    params_per_layer: float,
+    times_ms: tuple[float, float, float, float],
+    act_mib: float,
+    tp: int = 1,
+) -> ModelSpec:
+    """``times_ms``: F, B, W, fused backward of one layer on the H100."""
+    return ModelSpec(name, layers, hidden, params_per_layer, *times_ms, act_mib, w_path_held_mib(hidden), tp=tp)
+
+
+_GPT3_1_3B = _measured("1.3B", 24, 2048, 50.4e6, (0.750, 1.090, 0.538, 1.393), 160)
 
 PRESETS: dict[str, ModelSpec] = {
     "350M": _scaled("350M", 24, 1024, _GPT3_1_3B),
     "1.3B": _GPT3_1_3B,
     "2.7B": _scaled("2.7B", 32, 2560, _GPT3_1_3B),
-    "6.7B": ModelSpec("6.7B", 32, 4096, 201.4e6, 1.858, 2.575, 1.849, 3.960, 320, 304),
-    "13B": ModelSpec("13B", 40, 5120, 314.6e6, 2.811, 3.681, 2.884, 5.789, 400, 380),
-    "39B": ModelSpec("39B", 48, 8192, 805.4e6, 6.560, 7.975, 7.235, 13.349, 641, 608, tp=4),
-    "175B": ModelSpec("175B", 96, 12288, 1812.1e6, 14.380, 16.242, 16.253, 28.444, 961, 961, tp=8),
+    "6.7B": _measured("6.7B", 32, 4096, 201.4e6, (1.858, 2.575, 1.849, 3.960), 320),
+    "13B": _measured("13B", 40, 5120, 314.6e6, (2.811, 3.681, 2.884, 5.789), 400),
+    "39B": _measured("39B", 48, 8192, 805.4e6, (6.560, 7.975, 7.235, 13.349), 641, tp=4),
+    "175B": _measured("175B", 96, 12288, 1812.1e6, (14.380, 16.242, 16.253, 28.444), 961, tp=8),
 }
 
 
