@@ -153,25 +153,45 @@ class MembershipAgent:
         self.refresh()
         epoch = self.current.epoch
         self._wait_for_failure(set(running) | set(self.current.members), detect_timeout)
-        self.store.set(proto.progress_key(epoch, self.slot), progress.to_json())
+        self._post_progress(epoch, progress)
         key = proto.recovery_key(epoch)
         deadline = time.monotonic() + timeout
+        alerts, survivors, changes, pending = None, [], (), []
         while not self.store.check([key]):
-            pending = proto.read_pending(self.store)
-            changes = tuple(pending[self.applied :])
-            survivors = self._survivors(changes)
+            # Each survivor polls two counters; the survivors and their progress keys are read only
+            # when a failure was published meanwhile or every survivor may have posted (O(1) per
+            # poll, not O(survivors): at thousands of ranks the store serves every survivor's poll).
+            now_alerts = int(self.store.add(proto.ALERT, 0))
+            if now_alerts != alerts:
+                alerts = now_alerts
+                pending = proto.read_pending(self.store)
+                changes = tuple(pending[self.applied :])
+                survivors = self._survivors(changes)
             posted = [proto.progress_key(epoch, s) for s in survivors]
-            if self.store.check(posted):
-                done = min(Progress.from_json(value).done for value in self.store.multi_get(posted))
-                nxt = self._next(changes, done) or Membership(epoch + 1, self.current.members, done)
-                proposal = Decision(epoch, done, len(pending), changes, nxt)
-                self.store.compare_set(key, "", proposal.to_json())
-                break
+            counted = int(self.store.add(proto.progress_count_key(epoch), 0))
+            if counted >= len(survivors) and self.store.check(posted):
+                pending = proto.read_pending(self.store)  # the changes up to now, as every proposal takes
+                changes = tuple(pending[self.applied :])
+                if self._survivors(changes) == survivors:
+                    done = min(Progress.from_json(value).done for value in self.store.multi_get(posted))
+                    nxt = self._next(changes, done) or Membership(epoch + 1, self.current.members, done)
+                    proposal = Decision(epoch, done, len(pending), changes, nxt)
+                    self.store.compare_set(key, "", proposal.to_json())
+                    break
+                alerts = None
             if time.monotonic() > deadline:
                 missing = [s for s, k in zip(survivors, posted, strict=True) if not self.store.check([k])]
                 raise MembershipError(f"survivors {missing} did not report their progress within {timeout:.0f} s")
             time.sleep(POLL_SECONDS)
         return self._take(Decision.from_json(self.store.get(key)))
+
+    def _post_progress(self, epoch: int, progress: Progress) -> None:
+        """Post this survivor's progress in ``epoch``, and count it once."""
+        key = proto.progress_key(epoch, self.slot)
+        first = not self.store.check([key])
+        self.store.set(key, progress.to_json())
+        if first:
+            self.store.add(proto.progress_count_key(epoch), 1)
 
     def _wait_for_failure(self, slots: set[int], detect_timeout: float) -> None:
         started, probes = time.monotonic(), 0

@@ -28,6 +28,7 @@ alert/<slot>/<k>                set for every slot, in one write, when ``alert``
                                 (and sets it to wake itself when it stops)               at stop)
 decision/<n>/<i>                :class:`Decision` for epoch n at the end of iteration i  members
 progress/<n>/<slot>             a survivor's :class:`Progress` after a failure in n     members
+progress_count/<n>              counter: survivors that posted their progress in n      members
 recovery/<n>                    the survivors' :class:`Decision` after a failure in n  members
 ready/<n>                       counter: members of epoch n ready to build its world   members
 world/<n>/...                   the gloo rendezvous of epoch n's world                 torch
@@ -161,6 +162,10 @@ def recovery_key(epoch: int) -> str:
 
 def progress_key(epoch: int, slot: int) -> str:
     return f"progress/{epoch}/{slot}"
+
+
+def progress_count_key(epoch: int) -> str:
+    return f"progress_count/{epoch}"
 
 
 def alert_key(slot: int, count: int) -> str:
