@@ -6,7 +6,7 @@ E1 concurrent-failure sweep, E2 replay of every shipped trace, E3 production-sca
 with ReCycle's rebalancing off, ``migrate`` and ``repartition`` (sim/rebalance.py); then the
 checkpoint-restart model against Oobleck's artifact, a sensitivity line per main parameter, and a
 summary per rebalancing mode (the worst ratio to each baseline, the largest over Oobleck).
-Pure Python (the planner and the models of ds_recycle/sim); tens of minutes on 2 cores (--quick:
+Pure Python (the planner and the models of ds_recycle/sim); about 12 minutes on 2 shared cores (--quick:
 fewer grids, trace configurations and Poisson sizes; --smoke: one point of each part, for the test
 suite).
 """
