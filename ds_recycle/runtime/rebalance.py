@@ -63,7 +63,10 @@ def propose(engine, retired: Collection[int], under_way: Mapping[int, int], rank
         move = migration.next_move(D, P, failed, want, work, targets=targets, sources=sources)
         if move is None:
             continue
-        after = engine.predicted_iteration_time(_moved(failed, move))
+        try:
+            after = engine.predicted_iteration_time(_moved(failed, move))
+        except ValueError:  # the planner found no schedule for it (under a memory cap): not a candidate
+            continue
         if after <= now * (1 - MIN_GAIN):
             return Proposal(grid.slot_of(move.source), grid.slot_of(move.target), move, now, after)
     return None
