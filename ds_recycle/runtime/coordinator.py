@@ -336,7 +336,18 @@ class Coordinator:
         membership = proto.read_membership(self._store)
         last = self._last_change(exit.slot)
         joining = exit.slot not in membership.members and last is not None and last.kind == proto.JOIN
-        if not joining and exit.slot not in membership.members:
+        # A leaver taken out by the latest decision may not have finished the iteration that
+        # decision closed (the members that reached the boundary first decided it): a peer may still
+        # be sending to it or waiting for it. Its death (not exit 0) is a failure of that iteration,
+        # which the members of the new epoch take up too (membership.concerned). Only the process
+        # that left: its respawn's death while its join is pending is a joiner's, as ever.
+        left_last = (
+            exit.slot not in membership.members
+            and last is not None
+            and last.kind == proto.LEAVE
+            and exit.slot in proto.left_at_boundary(membership, self._store)
+        )
+        if not joining and not left_last and exit.slot not in membership.members:
             return
         if last is not None and last.kind == proto.FAILED and exit.slot in membership.members:
             return
@@ -345,6 +356,7 @@ class Coordinator:
         # decided is failed too: the decision that admits it also removes it (the members may have
         # decided the join already, hence the alert; members not running with it ignore it).
         why = exit.describe() + (" while leaving" if last is not None and last.kind == proto.LEAVE else "")
+        why += " (its leave was decided; its last iteration may not have been finished)" if left_last else ""
         why += f" while moving to slot {last.target}" if last is not None and last.kind == proto.MOVE else ""
         why += ": it gave up its join" if exit.returncode == proto.JOIN_GIVEN_UP_EXIT_CODE else ""
         why += " while its join was pending" if joining else ""

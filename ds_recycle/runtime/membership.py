@@ -38,6 +38,13 @@ failure, and again every as long until one is published."""
 LEAVE_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
+def concerned(current: Membership, latest: Membership, store: Store) -> set[int]:
+    """The slots whose failure stops a rank in epoch ``current`` when ``latest`` is the newest
+    decided epoch: the members of both, and the leavers that the boundary decision making
+    ``latest`` took out (:func:`~ds_recycle.runtime.protocol.left_at_boundary`)."""
+    return set(current.members) | set(latest.members) | proto.left_at_boundary(latest, store)
+
+
 class MembershipError(RuntimeError):
     """The coordinator cannot be reached, or a request was not admitted in time."""
 
@@ -152,7 +159,7 @@ class MembershipAgent:
         agent asks the coordinator to look for a member whose end it did not count as a failure."""
         self.refresh()
         epoch = self.current.epoch
-        self._wait_for_failure(set(running) | set(self.current.members), detect_timeout)
+        self._wait_for_failure(set(running) | concerned(self.current, self.current, self.store), detect_timeout)
         self._post_progress(epoch, progress)
         key = proto.recovery_key(epoch)
         deadline = time.monotonic() + timeout
@@ -224,10 +231,11 @@ class MembershipAgent:
 
     def failure_concerns_this_rank(self, store: Store) -> bool:
         """For the failure watcher (its own store client): whether an announced failure is of a
-        member of this rank's epoch, or of the latest decided one. A joiner that died before it was
-        admitted, or a leaver that died after its leave took effect, concerns nobody."""
+        member of this rank's epoch, of the latest decided one, or of a leaver the decision making
+        the latest one took out (it died before it finished the iteration its leave closed: the
+        coordinator publishes only that). A joiner that died before it was admitted concerns nobody."""
         latest = proto.read_membership(store)
-        return self.failure_among(set(self.current.members) | set(latest.members), store)
+        return self.failure_among(concerned(self.current, latest, store), store)
 
     def migrations(self) -> tuple[set[int], dict[int, int]]:
         """The retired slots no move fills, and the accepted moves not decided yet (mover ->

@@ -286,6 +286,19 @@ def read_decision(store: Store, key: str) -> Decision | None:
     return Decision.from_json(store.get(key)) if store.check([key]) else None
 
 
+def left_at_boundary(membership: Membership, store: Store) -> set[int]:
+    """The leavers that the boundary decision making ``membership`` took out, alive then (not
+    failed in it). The members that reached the boundary first decided it, so a leaver may not have
+    finished the iteration it closed: its death before it did is a failure of that iteration."""
+    if membership.epoch == 0:
+        return set()
+    decision = read_decision(store, decision_key(membership.epoch - 1, membership.iteration))
+    if decision is None or decision.next != membership:
+        return set()
+    failed = {c.slot for c in decision.changes if c.kind == FAILED}
+    return {c.slot for c in decision.changes if c.kind == LEAVE and c.slot not in failed}
+
+
 def read_status_report(store: Store) -> StatusReport | None:
     return StatusReport.from_json(store.get(STATUS)) if store.check([STATUS]) else None
 

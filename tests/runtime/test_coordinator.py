@@ -184,6 +184,41 @@ def test_a_move_is_accepted_only_into_a_retired_slot_that_no_other_move_fills(ha
     assert kinds[-1] == (proto.MOVE, 2, 3) and h.alerts() == 2
 
 
+def _decide_at_boundary(h: Harness, members: tuple[int, ...], taken: int) -> None:
+    """What the members do at a boundary: the decision (the pending changes from index ``taken``
+    on), then the epoch."""
+    epoch = int(h.store.get(proto.CURRENT_EPOCH))
+    pending = h.pending()
+    decision = proto.Decision(epoch, 0, len(pending), tuple(pending[taken:]), Membership(epoch + 1, members, 0))
+    h.store.set(proto.decision_key(epoch, 0), decision.to_json())
+    h.advance(members)
+
+
+def test_a_leaver_that_dies_after_its_leave_was_decided_is_a_failure_of_its_last_iteration(harness):
+    """The members that reach a boundary first decide it: a leaver taken out there may still be in
+    the iteration that boundary closes, with a peer sending to it. Its death is published (the peer
+    and the new epoch's members take it up); its exit 0, or its death an epoch later, is not."""
+    h = harness
+    h.request(proto.LEAVE, 3)
+    h.wait_for_line("accepted leave of slot 3")
+    _decide_at_boundary(h, (0, 1, 2), 0)
+    h.coordinator.rank_exited(RankExit(slot=3, incarnation=0, returncode=-9, observed=time.time()))
+    h.wait_for_line("published failure of slot 3 (signal SIGKILL while leaving (its leave was decided")
+    assert [(c.kind, c.slot) for c in h.pending()] == [(proto.LEAVE, 3), (proto.FAILED, 3)]
+    assert h.alerts() == 1
+    h.request(proto.LEAVE, 2)
+    h.wait_for_line("accepted leave of slot 2")
+    _decide_at_boundary(h, (0, 1), 2)
+    h.coordinator.rank_exited(RankExit(slot=2, incarnation=0, returncode=0, observed=time.time()))
+    _decide_at_boundary(h, (0, 1), 3)  # one epoch later, the same process killed in its teardown
+    h.coordinator.rank_exited(RankExit(slot=2, incarnation=0, returncode=-9, observed=time.time()))
+    h.request(proto.LEAVE, 1)  # exits are taken before requests: once this is accepted, they were
+    h.wait_for_line("accepted leave of slot 1")
+    kinds = [(c.kind, c.slot) for c in h.pending()]
+    assert kinds == [(proto.LEAVE, 3), (proto.FAILED, 3), (proto.LEAVE, 2), (proto.LEAVE, 1)], kinds
+    assert h.alerts() == 1
+
+
 def test_every_decision_it_logs_is_also_a_structured_event(harness):
     h = harness
     h.request(proto.JOIN, 1, token="b" * 32, pid=777)
