@@ -324,7 +324,12 @@ def assert_same_as_fault_free(job: Job, reference: dict[int, dict], steps: int) 
     """Every parameter and optimizer state of every finishing slot, and every loss any process
     reported, equal the fault-free run; the F ledger of all processes, killed ones included, shows
     every micro-batch of every iteration exactly once per stage."""
-    records = assert_final_states(job, reference, steps)
+    assert_every_microbatch_once(job, assert_final_states(job, reference, steps), steps)
+
+
+def assert_every_microbatch_once(job: Job, records: list[dict], steps: int) -> None:
+    """The F ledger of every process of ``job`` (``records``: the final ones; killed processes'
+    saved ledgers up to their end) has every micro-batch of every iteration exactly once per stage."""
     finished = final_states(records)
     ledgers = [record["ledger"] for record in records]
     ledgers += killed_ledgers(job.killed(), [c for r in finished.values() for c in r["changes"]], job.dp)

@@ -18,13 +18,11 @@ import torch
 from ds_recycle.runtime import protocol as proto
 from ds_recycle.testing.jobs import (
     Job,
-    M,
+    assert_every_microbatch_once,
     assert_final_states,
-    assert_ledger_exact,
     fault_free,
     final_states,
     job_config,
-    killed_ledgers,
 )
 
 pytestmark = pytest.mark.multiprocess
@@ -53,9 +51,7 @@ def check_against_fault_free(job: Job, reference: dict[int, dict], finishing: li
         replica = next(r for r in finishing if r // DP == s // DP)
         for name, value in finished[replica]["params"].items():
             assert torch.equal(finished[s]["params"][name], value), f"slot {s} {name} differs from slot {replica}"
-    ledgers = [record["ledger"] for record in records]
-    ledgers += killed_ledgers(job.killed(), [c for r in finished.values() for c in r["changes"]], DP)
-    assert_ledger_exact(ledgers, PP, DP, M, STEPS)
+    assert_every_microbatch_once(job, records, STEPS)
 
 
 def kill_two_of_stage_one(job: Job) -> int:
