@@ -237,5 +237,5 @@ def count(agents: list, pattern: str) -> int:
 def zombie_or_gone(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # reaped before, or between the open and the read
         return True
