@@ -7,8 +7,7 @@ Each tick it:
 1. takes the rank exits that the launcher observed through waitpid (:meth:`Coordinator.rank_exited`):
    a member of the current epoch that ended non-zero or by a signal and is not already failed in
    ``pending`` (a leaver whose boundary has not come yet included), or a joiner whose accepted join
-   is still pending, is appended as a ``failed`` change and ``alert`` is incremented (an exit 0 or
-   75 is never a failure);
+   is still pending, is appended as a ``failed`` change (an exit 0 or 75 is never a failure);
 2. reads the new requests (``request_count``, ``request/<k>``, k = 1, 2, ...) and appends the valid
    ones: the token matches, the kind is ``join``, ``leave`` or ``probe``, the slot is in range, a
    ``leave`` comes from a member that is not already on its way out, a ``join`` is for a slot that
@@ -18,11 +17,13 @@ Each tick it:
    on its way out, into a retired slot of the same node that no other move fills (the launcher
    that ran the mover starts the target on its device). A refused request changes nothing; both
    outcomes are logged;
-3. checks heartbeats: a member whose last heartbeat (of its current incarnation) is older than the
-   timeout is appended as ``failed`` and its process is killed through the launcher's callback, so a
-   hung (SIGSTOPped) process can never come back as a member. A slot whose heartbeat is
-   ``HEARTBEAT_STOPPED`` (it finished or left on purpose) is not checked. The timeout is derived from the
-   iteration time the trainers publish: ``max(min_timeout, factor * max iteration_seconds)``. A slot
+3. checks heartbeats (each node's agent relays its ranks' beats in its lease; this host's own ranks'
+   are read from their beat files, and written in this node's lease for the status page): a member
+   whose last heartbeat (of its current incarnation) is older than the timeout is appended as
+   ``failed`` and its process is killed through the launcher's callback, so a hung (SIGSTOPped)
+   process can never come back as a member. A slot whose last beat is ``stopped`` (it finished or
+   left on purpose) is not checked. The timeout is derived from the iteration time the trainers send
+   with their beats: ``max(min_timeout, factor * max iteration_seconds)``. A slot
    is not checked before its first heartbeat, except that once the job is seen to heartbeat at all,
    a member with no heartbeat ``startup_timeout`` seconds after its start is declared failed too.
 
@@ -43,11 +44,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ds_recycle.runtime import protocol as proto
-from ds_recycle.runtime.protocol import AgentReport, Change, KillOrder, Lease, Membership, Request
+from ds_recycle.runtime.beats import read_beats
+from ds_recycle.runtime.protocol import AgentReport, Beat, Change, KillOrder, Lease, Membership, Request
 
-RENEW_MAX_SECONDS = 0.1
-"""An agent renews its node's lease every fifth of the lease timeout, at least every 0.1 s: a node's
-lease is also how a dead node (no agent left to waitpid its ranks) is told from a live one."""
+RENEW_MAX_SECONDS = 0.25
+"""An agent renews its node's lease every fifth of the lease timeout, at least every 0.25 s: a node's
+lease is also how a dead node (no agent left to waitpid its ranks) is told from a live one, and it
+carries the node's heartbeats."""
 
 
 def renew_seconds(lease_seconds: float) -> float:
@@ -56,9 +59,11 @@ def renew_seconds(lease_seconds: float) -> float:
 
 STORE_OP_SECONDS = 30.0
 """Bound on any single store operation of the coordinator (the store is local; a healthy op takes µs)."""
-TICK_SECONDS = 0.005
-"""How often requests are polled; an observed exit wakes the coordinator at once."""
+TICK_SECONDS = 0.01
+"""How often requests and other nodes' reports are polled (one read of both counters); an exit
+observed here wakes the coordinator at once."""
 HEARTBEAT_CHECK_SECONDS = 0.05
+LEASE_CHECK_SECONDS = 0.1
 JOIN_BATCH_SECONDS = 30.0
 """How long a node's first join waits for the node's other slots to ask too."""
 GAP_WINDOW = 100
@@ -159,18 +164,24 @@ class Coordinator:
         nodes: NodeLayout | None = None,
         events: Callable[..., None] | None = None,
         local_node: int | None = 0,
+        beats_dir: str | None = None,
     ) -> None:
         """``kill(slot, incarnation)`` must SIGKILL that process if it is still the slot's current one
         (for a slot of ``local_node``, whose agent runs this coordinator; other nodes' agents, every
         node's with a standalone ``ds-recycle coordinator`` (``local_node=None``), get kill orders).
         ``events(event, **fields)`` gets each logged decision as a structured event (the launcher's
-        ``--events`` stream)."""
+        ``--events`` stream). ``beats_dir``: the beat directory of ``local_node``'s ranks."""
         self.host, self.port, self.generation = host, port, generation
         self.world_size = world_size
         self.nodes = nodes or NodeLayout(1, world_size, 5.0)
         self.local_node = local_node
         self.exit_codes: dict[int, int] = {}
         """Each slot's last observed exit code (Popen's convention), here or on its node."""
+        self.beats_dir = beats_dir
+        self._leases: dict[int, Lease] = {}
+        self._membership: Membership | None = None
+        """Every other node's last lease read (their ranks' beats come with it)."""
+        self._last_local_lease = 0.0
         self._dead_nodes: set[tuple[int, int]] = set()
         """(node, node incarnation) pairs whose lease lapsed: their reports are refused."""
         self._next_report = 1
@@ -216,6 +227,8 @@ class Coordinator:
             raise RuntimeError(f"the coordinator of generation {self.generation} is running already")
         self._store = proto.connect(f"{self.host}:{self.port}", self.generation, STORE_OP_SECONDS)
         self._pending = proto.read_pending(self._store)
+        for counter in (proto.REQUEST_COUNT, proto.REPORT_COUNT):
+            self._store.add(counter, 0)  # both exist from now on: each tick reads them in one go
         self._thread = threading.Thread(target=self._run, name=f"recycle-coordinator-{self.generation}", daemon=True)
         self._thread.start()
 
@@ -289,16 +302,18 @@ class Coordinator:
             self._wake.clear()
 
     def _tick(self) -> None:
+        requests, reports = (int(v) for v in self._store.multi_get([proto.REQUEST_COUNT, proto.REPORT_COUNT]))
         if self.nodes.count > 1:
-            self._poll_reports()
-            if time.monotonic() - self._last_lease_check >= HEARTBEAT_CHECK_SECONDS:
+            self._poll_reports(reports)
+            if time.monotonic() - self._last_lease_check >= LEASE_CHECK_SECONDS:
                 self._last_lease_check = time.monotonic()
                 self._check_leases()
                 for node in list(self._held_joins):
                     self._release_joins(node)
         self._drain_exits()
         self._drain_retired()
-        self._poll_requests()
+        self._poll_requests(requests)
+        self._renew_local_lease()
         if self.policy.enabled and time.monotonic() - self._last_heartbeat_check >= self._heartbeat_scan_seconds:
             began = self._last_heartbeat_check = time.monotonic()
             self._check_heartbeats()
@@ -360,7 +375,7 @@ class Coordinator:
         why += f" while moving to slot {last.target}" if last is not None and last.kind == proto.MOVE else ""
         why += ": it gave up its join" if exit.returncode == proto.JOIN_GIVEN_UP_EXIT_CODE else ""
         why += " while its join was pending" if joining else ""
-        self._append(proto.FAILED, exit.slot, exit.observed, why, alert=True)
+        self._append(proto.FAILED, exit.slot, exit.observed, why)
         latency_ms = 1000 * (time.time() - exit.observed)
         self._log(
             f"published failure of slot {exit.slot} ({why}) in epoch {membership.epoch}, "
@@ -370,8 +385,7 @@ class Coordinator:
             "published_failure", slot=exit.slot, cause="exit", why=why, epoch=membership.epoch, latency_ms=latency_ms
         )
 
-    def _poll_requests(self) -> None:
-        count = int(self._store.add(proto.REQUEST_COUNT, 0))
+    def _poll_requests(self, count: int) -> None:
         while self._next_request <= count:
             key = proto.request_key(self._next_request)
             if not self._store.check([key]):
@@ -485,9 +499,8 @@ class Coordinator:
 
     # ---- other nodes ---------------------------------------------------------------------------
 
-    def _poll_reports(self) -> None:
+    def _poll_reports(self, count: int) -> None:
         """Starts and exits that other nodes' agents saw (their waitpid), as if seen here."""
-        count = int(self._store.add(proto.REPORT_COUNT, 0))
         while self._next_report <= count:
             key = proto.report_key(self._next_report)
             if not self._store.check([key]):
@@ -530,12 +543,7 @@ class Coordinator:
             self._log(f"lease checks were delayed {stalled:.1f} s: judging the nodes' leases again from now on")
             self._emit("lease_checks_delayed", seconds=stalled)
             return failed
-        nodes = [node for node in range(self.nodes.count) if node != self.local_node]
-        leases = proto.read_present(self._store, [proto.lease_key(node) for node in nodes])
-        for node, value in zip(nodes, leases, strict=True):
-            if value is None:
-                continue
-            lease = Lease.from_json(value)
+        for node, lease in self._read_leases().items():
             age = now - lease.time
             if age <= limit or (node, lease.node_incarnation) in self._dead_nodes:
                 continue
@@ -543,6 +551,41 @@ class Coordinator:
             failed.append(node)
             self._fail_node(node, f"lease of node {node} (incarnation {lease.node_incarnation}) lapsed {age:.2f} s ago")
         return failed
+
+    def _current_membership(self) -> Membership:
+        """The current epoch's membership: one read of ``current_epoch``, the record only when it moved."""
+        epoch = int(self._store.get(proto.CURRENT_EPOCH))
+        if self._membership is None or self._membership.epoch != epoch:
+            self._membership = proto.read_membership(self._store, epoch)
+        return self._membership
+
+    def _read_leases(self) -> dict[int, Lease]:
+        """Every other node's lease (a node that has none yet is left out); kept for the beats."""
+        nodes = [node for node in range(self.nodes.count) if node != self.local_node]
+        values = proto.read_present(self._store, [proto.lease_key(node) for node in nodes])
+        self._leases = {node: Lease.from_json(v) for node, v in zip(nodes, values, strict=True) if v is not None}
+        return self._leases
+
+    def _renew_local_lease(self) -> None:
+        """This host's node's lease, with its ranks' beats (read by the status page; its age is never
+        judged: this coordinator is that node's agent)."""
+        if self.local_node is None or not self.beats_dir:
+            return
+        if time.monotonic() - self._last_local_lease < renew_seconds(self.nodes.lease_seconds):
+            return
+        self._last_local_lease = time.monotonic()
+        lease = Lease(0, time.time(), read_beats(self.beats_dir, self.nodes.slots(self.local_node)))
+        self._store.set(proto.lease_key(self.local_node), lease.to_json())
+
+    def _beats(self) -> dict[int, Beat]:
+        """Every rank's last beat: this node's from its files, the others' from their leases (as the
+        lease check read them last)."""
+        beats: dict[int, Beat] = {}
+        for lease in self._leases.values():
+            beats.update(lease.beats)
+        if self.local_node is not None and self.beats_dir:
+            beats.update(read_beats(self.beats_dir, self.nodes.slots(self.local_node)))
+        return beats
 
     def _fail_node(self, node: int, detail: str) -> None:
         membership = proto.read_membership(self._store)
@@ -553,7 +596,7 @@ class Coordinator:
                     self._incarnations[slot].running = False
         joining = [slot for slot in self.nodes.slots(node) if self._join_pending(slot, membership)]
         now = time.time()
-        self._append_all([(proto.FAILED, slot, now, detail) for slot in slots + joining], alert=True)
+        self._append_all([(proto.FAILED, slot, now, detail) for slot in slots + joining])
         self._log(f"published failure of node {node}: slots {slots + joining} in one change ({detail})")
         for slot in slots + joining:
             self._emit("published_failure", slot=slot, cause="node", why=detail, epoch=membership.epoch, node=node)
@@ -586,7 +629,7 @@ class Coordinator:
             last = self._last_change(slot)
             if incarnation is not None and not incarnation.running and not (last and last.kind == proto.FAILED):
                 ended.append(slot)
-                self._append(proto.FAILED, slot, time.time(), "ended while still a member", alert=True)
+                self._append(proto.FAILED, slot, time.time(), "ended while still a member")
                 why = "ended while still a member"
                 self._emit("published_failure", slot=slot, cause="probe", why=why, epoch=membership.epoch)
         if self.nodes.count > 1:
@@ -601,14 +644,11 @@ class Coordinator:
             self._emit("probe", slot=request.slot, pid=request.pid, epoch=membership.epoch, ended=ended)
 
     def _check_heartbeats(self) -> None:
-        membership = proto.read_membership(self._store)
-        members = membership.members
-        keys = [proto.iteration_seconds_key(s) for s in members] + [proto.heartbeat_key(s) for s in members]
-        values = proto.read_present(self._store, keys)
-        beats = dict(zip(members, values[len(members) :], strict=True))
+        membership = self._current_membership()
+        beats = self._beats()
         now = time.time()
-        published = [float(value) for value in values[: len(members)] if value is not None]
-        worst_iteration = max(published) if published else None
+        published = [beats[s].iteration_seconds for s in membership.members if s in beats]
+        worst_iteration = max((seconds for seconds in published if seconds is not None), default=None)
         gaps = [gap for recent in self._gaps.values() for gap in recent]
         timeout = self.policy.timeout(worst_iteration, max(gaps) if gaps else None)
         for slot in membership.members:
@@ -616,14 +656,13 @@ class Coordinator:
                 incarnation = self._incarnations.get(slot)
             if incarnation is None or not incarnation.running or self._out(slot):
                 continue
-            value = None if beats[slot] is None else beats[slot].decode()
-            if value == proto.HEARTBEAT_STOPPED:
-                continue
-            beat = _seconds(value)
-            if beat is not None and beat >= incarnation.started:
+            beat = beats.get(slot)
+            if beat is not None and beat.time >= incarnation.started:
+                if beat.stopped:
+                    continue
                 self._job_heartbeats = True
-                self._note_beat(slot, incarnation.number, beat)
-                age = now - beat
+                self._note_beat(slot, incarnation.number, beat.time)
+                age = now - beat.time
                 if age > timeout:
                     detail = f"heartbeat stale {age:.2f} s (timeout {timeout:.2f} s)"
                     self._declare_hung(slot, incarnation.number, detail, membership.epoch)
@@ -642,21 +681,20 @@ class Coordinator:
         self._last_beat[slot] = (incarnation, beat)
 
     def _declare_hung(self, slot: int, incarnation: int, detail: str, epoch: int) -> None:
-        self._append(proto.FAILED, slot, time.time(), detail, alert=True)
+        self._append(proto.FAILED, slot, time.time(), detail)
         self._log(f"published failure of slot {slot}: {detail}; killing its process")
         self._emit("published_failure", slot=slot, cause="heartbeat", why=detail, epoch=epoch)
         self._kill_rank(slot, incarnation)
 
     # ---- pending -------------------------------------------------------------------------------
 
-    def _append(
-        self, kind: str, slot: int, when: float, detail: str, alert: bool = False, target: int | None = None
-    ) -> None:
-        self._append_all([(kind, slot, when, detail, target)], alert)
+    def _append(self, kind: str, slot: int, when: float, detail: str, target: int | None = None) -> None:
+        self._append_all([(kind, slot, when, detail, target)])
 
-    def _append_all(self, changes: list[tuple], alert: bool = False) -> None:
+    def _append_all(self, changes: list[tuple]) -> None:
         """Append ``changes`` (kind, slot, time, detail[, target]) in one write: a decision takes all
-        or none."""
+        or none. Then ``alert`` (the length of ``pending``) moves on, and one write wakes every
+        rank's watcher (each blocks on its own slot's next alert key): no rank polls for changes."""
         if not changes:
             return
         with self._lock:
@@ -664,13 +702,10 @@ class Coordinator:
                 self._pending.append(Change(len(self._pending), kind, slot, when, detail, *target))
             text = proto.changes_to_json(self._pending)
         self._store.set(proto.PENDING, text)
-        failures = sum(1 for kind, *_ in changes if kind == proto.FAILED)
-        if alert and failures:
-            count = int(self._store.add(proto.ALERT, failures))
-            # One write wakes every failure watcher (each blocks on its own slot's key): no polling.
-            counts = range(count - failures + 1, count + 1)
-            keys = [proto.alert_key(slot, k) for k in counts for slot in range(self.world_size)]
-            self._store.multi_set(keys, ["1"] * len(keys))
+        count = int(self._store.add(proto.ALERT, len(changes)))
+        counts = range(count - len(changes) + 1, count + 1)
+        keys = [proto.alert_key(slot, k) for k in counts for slot in range(self.world_size)]
+        self._store.multi_set(keys, ["1"] * len(keys))
 
     def _last_change(self, slot: int) -> Change | None:
         with self._lock:
@@ -687,10 +722,3 @@ class Coordinator:
 
 def _ignore(event: str, **fields: object) -> None:
     pass
-
-
-def _seconds(value: str | None) -> float | None:
-    try:
-        return None if value is None else float(value)
-    except ValueError:
-        return None

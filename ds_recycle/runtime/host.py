@@ -67,6 +67,8 @@ class HostConfig:
     for a standalone ``ds-recycle coordinator``."""
     check_in_timeout: float = 600.0
     """How long :meth:`CoordinatorHost.first_generation` waits for every node's agent."""
+    beats_dir: str | None = None
+    """Where ``local_node``'s ranks write their beats (:mod:`ds_recycle.runtime.beats`)."""
 
     @property
     def world_size(self) -> int:
@@ -190,6 +192,7 @@ class CoordinatorHost:
             nodes=NodeLayout(config.nnodes, config.nproc, config.node_lease),
             events=self._emit,
             local_node=config.local_node,
+            beats_dir=config.beats_dir,
         )
         self.coordinator.start()
         self._serve_status(generation)

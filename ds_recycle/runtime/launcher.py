@@ -39,10 +39,12 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -258,6 +260,8 @@ class Launcher:
         self.coordinator: Coordinator | NodeLink | None = None
         self._preloader: Preloader | None = None
         self._preload_failed = False
+        self.beats_dir = tempfile.mkdtemp(prefix=f"ds_recycle_beats_node{config.node_rank}_")
+        """This node's ranks' heartbeat files, relayed by its lease (:mod:`ds_recycle.runtime.beats`)."""
 
     # ---- public --------------------------------------------------------------------------------
 
@@ -289,6 +293,7 @@ class Launcher:
                 self.host.stop()
             if self._preloader is not None:
                 self._preloader.close()
+            shutil.rmtree(self.beats_dir, ignore_errors=True)
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
             self.events.close(code)
@@ -331,6 +336,7 @@ class Launcher:
             status_host=config.status_host,
             local_node=config.node_rank,
             check_in_timeout=config.coordinator_wait,
+            beats_dir=self.beats_dir,
         )
         self.host = CoordinatorHost(host_config, log=self.log, emit=self.emit, kill=self._kill_incarnation)
         self._address = self.host.listen()
@@ -373,6 +379,8 @@ class Launcher:
             kill=self._kill_incarnation,
             fence=self._fence,
             grace=self.coordinator_timeout,
+            beats_dir=self.beats_dir,
+            slots=range(self.slots[0].slot, self.slots[-1].slot + 1),
         )
         incarnation = link.register(self.config.domain)
         what = "re-joins the running job" if link.rejoining else "starts"
@@ -395,6 +403,7 @@ class Launcher:
         env = {**os.environ, **(self.config.env or {})}
         env.setdefault("DS_ACCELERATOR", "cpu")
         env.setdefault("OMP_NUM_THREADS", "1")
+        env[proto.ENV_BEATS] = self.beats_dir
         env.pop("LOCAL_SIZE", None)  # would turn on DeepSpeed's shm all-reduce (66 MB a rank, leaked on SIGKILL)
         return env
 

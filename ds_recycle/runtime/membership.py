@@ -20,22 +20,42 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 from ds_recycle.log import logger
-from ds_recycle.runtime import exit_guard
 from ds_recycle.runtime import protocol as proto
-from ds_recycle.runtime.protocol import Change, Decision, Membership, Progress, Request, Store
+from ds_recycle.runtime.beats import write_beat
+from ds_recycle.runtime.protocol import Beat, Change, Decision, Membership, Progress, Request, Store
 from ds_recycle.runtime.waiting import PeerFailure
 
 HEARTBEAT_SECONDS = 0.1
 EXIT_GRACE_SECONDS = 30.0
 """The last heartbeat, written at interpreter exit, is dated this far ahead: tearing down torch and
 gloo can take longer than the hang timeout, and an exiting process is not a hung one."""
-POLL_SECONDS = 0.002
 PROBE_AFTER_SECONDS = 0.1
 """A survivor whose peer stopped answering asks the coordinator after this long without a published
 failure, and again every as long until one is published."""
+RECOVERY_SLICE_SECONDS = 0.25
+"""A survivor blocks on the recovery decision this long at a time, then looks whether a change was
+published meanwhile (a survivor died: the remaining ones may all have posted)."""
+ENTER_SLICE_SECONDS = 0.1
+"""A member entering an epoch blocks on ``entered/<n>`` this long at a time, then looks at its
+failure flag (no store operation)..."""
+ENTER_CHECK_SLICES = 5
+"""...and every this many slices at the store (a member failed, the epoch was superseded)."""
 LEAVE_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _wait_for_key(store: Store, key: str, seconds: float) -> bool:
+    """Block until ``key`` is set (True), or ``seconds`` passed (False): the server answers when it
+    is set, so a waiter makes one store operation however long it waits."""
+    from torch.distributed import DistStoreError
+
+    try:
+        store.wait([key], timedelta(seconds=seconds))
+        return True
+    except DistStoreError:
+        return False
 
 
 def concerned(current: Membership, latest: Membership, store: Store) -> set[int]:
@@ -71,6 +91,13 @@ class MembershipAgent:
     leave_requested: bool = False
     requested_at: float = 0.0
     """When this process last posted its join request (wall clock)."""
+    _known: list[Change] | None = field(default=None, repr=False)
+    """``pending`` as this rank's watcher read it last (:meth:`note_changes`)."""
+    beats_dir: str | None = None
+    """The node's beat directory (``DS_RECYCLE_BEATS``): the heartbeat goes there, for the node's
+    agent to relay (:mod:`ds_recycle.runtime.beats`)."""
+    iteration_seconds: float | None = None
+    """The last measured iteration time, sent with every beat."""
     _heartbeat: threading.Thread | None = field(default=None, repr=False)
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
 
@@ -86,6 +113,7 @@ class MembershipAgent:
             token=environ.get(proto.ENV_TOKEN, ""),
             incarnation=int(environ.get(proto.ENV_INCARNATION, "0")),
             generation=int(environ.get(proto.ENV_GENERATION, "0")),
+            beats_dir=environ.get(proto.ENV_BEATS),
         )
         try:
             agent.store = agent.connect()
@@ -140,57 +168,65 @@ class MembershipAgent:
     # ---- decisions ---------------------------------------------------------------------------
 
     def decide(self, iteration: int) -> Decision:
-        """The decision of the current epoch's members at the boundary before ``iteration``."""
+        """The decision of the current epoch's members at the boundary before ``iteration``: one
+        ``compare_set``. This member proposes the changes it knows of (:meth:`note_changes`, kept by
+        its watcher; read here only before the watcher's first look); the first proposal fixes it."""
         epoch = self.current.epoch
-        pending = proto.read_pending(self.store)
-        changes = tuple(pending[self.applied :])
-        proposal = Decision(epoch, iteration, len(pending), changes, self._next(changes, iteration))
+        known = self._known if self._known is not None else proto.read_pending(self.store)
+        changes = tuple(known[self.applied :])
+        applied = max(self.applied, len(known))
+        proposal = Decision(epoch, iteration, applied, changes, self._next(changes, iteration))
         value = self.store.compare_set(proto.decision_key(epoch, iteration), "", proposal.to_json())
         return self._take(Decision.from_json(value))
 
     def recover(self, progress: Progress, running: tuple[int, ...], detect_timeout: float, timeout: float) -> Decision:
         """The survivors' one decision after a failure in the current epoch.
 
-        Every survivor posts its progress; once all survivors have (a survivor that dies meanwhile
-        drops out of the wait), the first to propose fixes the decision: the changes pending so far,
-        the next membership, and ``iteration`` = the iteration every survivor restarts from (the
-        least finished count). A failure of one of ``running`` (the members this process was running
-        with) must be published within ``detect_timeout``; after PROBE_AFTER_SECONDS without one the
-        agent asks the coordinator to look for a member whose end it did not count as a failure."""
+        Every survivor posts its progress and counts it (``progress_count/<n>``); the survivor whose
+        count completes the survivors fixes the decision with one ``compare_set``: the changes
+        pending so far, the next membership, and ``iteration`` = the iteration every survivor
+        restarts from (the least finished count). The others block on the decision's key: no
+        survivor polls. A survivor that dies meanwhile drops out: at every change published during
+        the wait each survivor looks again whether every remaining survivor has posted. A failure of
+        one of ``running`` (the members this process was running with) must be published within
+        ``detect_timeout``; after PROBE_AFTER_SECONDS without one the agent asks the coordinator to
+        look for a member whose end it did not count as a failure."""
         self.refresh()
         epoch = self.current.epoch
         self._wait_for_failure(set(running) | concerned(self.current, self.current, self.store), detect_timeout)
         self._post_progress(epoch, progress)
         key = proto.recovery_key(epoch)
         deadline = time.monotonic() + timeout
-        alerts, survivors, changes, pending = None, [], (), []
-        while not self.store.check([key]):
-            # Each survivor polls two counters; the survivors and their progress keys are read only
-            # when a failure was published meanwhile or every survivor may have posted (O(1) per
-            # poll, not O(survivors): at thousands of ranks the store serves every survivor's poll).
-            now_alerts = int(self.store.add(proto.ALERT, 0))
-            if now_alerts != alerts:
-                alerts = now_alerts
-                pending = proto.read_pending(self.store)
-                changes = tuple(pending[self.applied :])
-                survivors = self._survivors(changes)
-            posted = [proto.progress_key(epoch, s) for s in survivors]
-            counted = int(self.store.add(proto.progress_count_key(epoch), 0))
-            if counted >= len(survivors) and self.store.check(posted):
-                pending = proto.read_pending(self.store)  # the changes up to now, as every proposal takes
-                changes = tuple(pending[self.applied :])
-                if self._survivors(changes) == survivors:
-                    done = min(Progress.from_json(value).done for value in self.store.multi_get(posted))
-                    nxt = self._next(changes, done) or Membership(epoch + 1, self.current.members, done)
-                    proposal = Decision(epoch, done, len(pending), changes, nxt)
-                    self.store.compare_set(key, "", proposal.to_json())
-                    break
-                alerts = None
+        looked_at = None
+        while True:
+            # After this survivor's post: a change published before it is seen here, and a later
+            # one moves ``alert`` on, which the next look (after a slice of the wait) sees.
+            alerts = int(self.store.add(proto.ALERT, 0))
+            if alerts != looked_at:
+                looked_at = alerts
+                self._propose_recovery(epoch)
+            if _wait_for_key(self.store, proto.recovery_key(epoch), RECOVERY_SLICE_SECONDS):
+                break
             if time.monotonic() > deadline:
+                survivors = self._survivors(tuple(proto.read_pending(self.store)[self.applied :]))
+                posted = [proto.progress_key(epoch, s) for s in survivors]
                 missing = [s for s, k in zip(survivors, posted, strict=True) if not self.store.check([k])]
                 raise MembershipError(f"survivors {missing} did not report their progress within {timeout:.0f} s")
-            time.sleep(POLL_SECONDS)
         return self._take(Decision.from_json(self.store.get(key)))
+
+    def _propose_recovery(self, epoch: int) -> None:
+        """Fix epoch ``epoch``'s recovery decision if every survivor (as the changes pending now
+        say) has posted its progress; else leave it to the survivor that completes the count."""
+        pending = proto.read_pending(self.store)
+        changes = tuple(pending[self.applied :])
+        survivors = self._survivors(changes)
+        posted = [proto.progress_key(epoch, s) for s in survivors]
+        if int(self.store.add(proto.progress_count_key(epoch), 0)) < len(survivors) or not self.store.check(posted):
+            return
+        done = min(Progress.from_json(value).done for value in self.store.multi_get(posted))
+        nxt = self._next(changes, done) or Membership(epoch + 1, self.current.members, done)
+        proposal = Decision(epoch, done, len(pending), changes, nxt)
+        self.store.compare_set(proto.recovery_key(epoch), "", proposal.to_json())
 
     def _post_progress(self, epoch: int, progress: Progress) -> None:
         """Post this survivor's progress in ``epoch``, and count it once."""
@@ -201,8 +237,13 @@ class MembershipAgent:
             self.store.add(proto.progress_count_key(epoch), 1)
 
     def _wait_for_failure(self, slots: set[int], detect_timeout: float) -> None:
+        """Until a failure among ``slots`` is published: blocks on this slot's next alert key (the
+        coordinator sets it with every change), probing every PROBE_AFTER_SECONDS."""
         started, probes = time.monotonic(), 0
-        while not self.failure_among(slots):
+        while True:
+            alerts = int(self.store.add(proto.ALERT, 0))
+            if self.failure_among(slots):
+                return
             waited = time.monotonic() - started
             if waited > detect_timeout:
                 raise MembershipError(
@@ -215,7 +256,7 @@ class MembershipAgent:
                 probes += 1
                 if probes == 1:
                     logger.info(f"ReCycle: slot {self.slot} asked the coordinator which peer stopped answering")
-            time.sleep(POLL_SECONDS)
+            _wait_for_key(self.store, proto.alert_key(self.slot, alerts + 1), PROBE_AFTER_SECONDS)
 
     def _take(self, decision: Decision) -> Decision:
         self.applied = decision.applied
@@ -229,13 +270,16 @@ class MembershipAgent:
         pending = proto.read_pending(store or self.store)
         return any(c.kind == proto.FAILED and c.slot in slots for c in pending[self.applied :])
 
-    def failure_concerns_this_rank(self, store: Store) -> bool:
-        """For the failure watcher (its own store client): whether an announced failure is of a
-        member of this rank's epoch, of the latest decided one, or of a leaver the decision making
-        the latest one took out (it died before it finished the iteration its leave closed: the
-        coordinator publishes only that). A joiner that died before it was admitted concerns nobody."""
-        latest = proto.read_membership(store)
-        return self.failure_among(concerned(self.current, latest, store), store)
+    def note_changes(self, store: Store) -> bool:
+        """For the watcher (its own store client), at its start and whenever changes were published:
+        take ``pending`` in (the next boundary proposes what it holds), and say whether a failure in
+        it concerns this rank: one of a member of this rank's epoch, of the latest decided one, or of
+        a leaver the decision making the latest one took out (it died before it finished the
+        iteration its leave closed). A joiner that died before it was admitted concerns nobody."""
+        pending = proto.read_pending(store)
+        self._known = pending
+        slots = concerned(self.current, proto.read_membership(store), store)
+        return any(c.kind == proto.FAILED and c.slot in slots for c in pending[self.applied :])
 
     def migrations(self) -> tuple[set[int], dict[int, int]]:
         """The retired slots no move fills, and the accepted moves not decided yet (mover ->
@@ -243,36 +287,36 @@ class MembershipAgent:
         pending = proto.read_pending(self.store)
         return proto.retired_slots(pending), proto.moves_under_way(pending, self.current.members)
 
-    def failures_applied(self) -> int:
-        """How many failures the decisions so far took into account (the launcher adds a failure to
-        ``pending`` before it raises ``alert``, so the alert count can be compared with this)."""
-        return sum(1 for c in proto.read_pending(self.store)[: self.applied] if c.kind == proto.FAILED)
-
     def _survivors(self, changes: tuple[Change, ...]) -> list[int]:
         gone = {c.slot for c in changes if c.kind in proto.OUT_KINDS}
         return [s for s in self.current.members if s not in gone]
 
     def enter(self, membership: Membership, failure_announced: Callable[[], bool], timeout: float) -> None:
-        """Wait until every member of ``membership`` is ready to build its world. Raises
-        EpochSuperseded if a newer epoch was decided meanwhile, and MemberFailed if a failure was
-        announced (``failure_announced()``) or one of the members failed."""
-        key = proto.ready_key(membership.epoch)
-        self.store.add(key, 1)
+        """Wait until every member of ``membership`` is ready to build its world: each counts itself
+        (``ready/<n>``), the one whose count completes the members sets ``entered/<n>``, and the
+        others block on it. Raises EpochSuperseded if a newer epoch was decided meanwhile, and
+        MemberFailed if a failure was announced (``failure_announced()``) or one of the members
+        failed."""
+        epoch = membership.epoch
+        if int(self.store.add(proto.ready_key(epoch), 1)) >= len(membership.members):
+            self.store.set(proto.entered_key(epoch), "1")
+            return
         deadline = time.monotonic() + timeout
-        polls = 0
-        while int(self.store.add(key, 0)) < len(membership.members):
+        slices = 0
+        while not _wait_for_key(self.store, proto.entered_key(epoch), ENTER_SLICE_SECONDS):
             if failure_announced():
-                raise MemberFailed(f"a failure was announced while entering epoch {membership.epoch}")
-            polls += 1
+                raise MemberFailed(f"a failure was announced while entering epoch {epoch}")
+            slices += 1
+            if slices % ENTER_CHECK_SLICES:
+                continue
             # A member (a joiner) may have died after the failure watcher judged its failure to
             # concern nobody, before the decision that admitted it was published.
-            if polls % 10 == 0 and self.failure_among(set(membership.members)):
-                raise MemberFailed(f"a member of epoch {membership.epoch} failed before every member entered it")
-            if int(self.store.get(proto.CURRENT_EPOCH)) > membership.epoch:
-                raise EpochSuperseded(f"epoch {membership.epoch} was superseded before every member entered it")
+            if self.failure_among(set(membership.members)):
+                raise MemberFailed(f"a member of epoch {epoch} failed before every member entered it")
+            if int(self.store.get(proto.CURRENT_EPOCH)) > epoch:
+                raise EpochSuperseded(f"epoch {epoch} was superseded before every member entered it")
             if time.monotonic() > deadline:
-                raise MembershipError(f"not every member of epoch {membership.epoch} arrived within {timeout:.0f} s")
-            time.sleep(POLL_SECONDS)
+                raise MembershipError(f"not every member of epoch {epoch} arrived within {timeout:.0f} s")
 
     def _next(self, changes: tuple[Change, ...], iteration: int) -> Membership | None:
         members = set(self.current.members)
@@ -350,28 +394,30 @@ class MembershipAgent:
     def start_heartbeat(self) -> None:
         if self._heartbeat is not None:
             return
-        store = self.connect()
+        if not self.beats_dir:
+            raise MembershipError(f"{proto.ENV_BEATS} is not set: start the ranks with ds-recycle launch")
 
         def beat():
             while not self._stop.wait(HEARTBEAT_SECONDS):
-                store.set(proto.heartbeat_key(self.slot), repr(time.time()))
+                self._beat(time.time())
 
-        store.set(proto.heartbeat_key(self.slot), repr(time.time()))
+        self._beat(time.time())
         self._heartbeat = threading.Thread(target=beat, name="recycle-heartbeat", daemon=True)
         self._heartbeat.start()
-        # A thread caught inside a store call when the interpreter exits aborts the process.
         atexit.register(self.stop)
 
+    def _beat(self, when: float) -> None:
+        write_beat(self.beats_dir, self.slot, Beat(when, self.iteration_seconds))
+
     def publish_iteration_seconds(self, seconds: float) -> None:
-        self.store.set(proto.iteration_seconds_key(self.slot), repr(seconds))
+        """Sent with the next heartbeat (the coordinator's hang timeout follows the slowest rank)."""
+        self.iteration_seconds = seconds
 
     def stop(self) -> None:
         self._stop.set()
         if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
             self._heartbeat.join(timeout=2 * HEARTBEAT_SECONDS + 1.0)
-            if self._heartbeat.is_alive():  # still inside a store call (a slow or gone store)
-                exit_guard.abandoned(self._heartbeat)
             try:
-                self.store.set(proto.heartbeat_key(self.slot), repr(time.time() + EXIT_GRACE_SECONDS))
-            except Exception:  # the launcher is gone already
+                self._beat(time.time() + EXIT_GRACE_SECONDS)
+            except OSError:  # the launcher is gone already (it removes the directory)
                 pass

@@ -5,8 +5,10 @@ The launcher hands it what waitpid sees; in a thread of its own (with its own st
 
 - reports its ranks' starts and exits (``report/<k>``), which the coordinator treats as it treats
   node 0's own;
-- renews the node's lease (``lease/<K>``) every fifth of the lease timeout (at least every 0.1 s);
-- carries out the coordinator's kills (``kill/<K>/<k>``: a hung rank of this node);
+- renews the node's lease (``lease/<K>``) every fifth of the lease timeout (at least every 0.25 s),
+  with its ranks' last beats (read from the node's beat files: :mod:`ds_recycle.runtime.beats`);
+- carries out the coordinator's kills (``kill/<K>/<k>``: a hung rank of this node, judged after
+  seconds), read once a second;
 - **fences** the node when it could not renew its lease for ``grace`` seconds (``--coordinator-timeout``,
   at most the lease timeout: a partition, the coordinator's host gone, or this node frozen and
   thawed): it kills every rank of the node at once, so that a node the coordinator may already
@@ -31,10 +33,12 @@ import time
 from collections.abc import Callable
 
 from ds_recycle.runtime import protocol as proto
+from ds_recycle.runtime.beats import read_beats
 from ds_recycle.runtime.coordinator import RankExit, renew_seconds
 from ds_recycle.runtime.protocol import AgentReport, CheckIn, KillOrder, Lease, Membership
 
 LEASE_WATCH_SECONDS = 0.05
+KILL_CHECK_SECONDS = 1.0
 CHECK_IN_POLL_SECONDS = 0.1
 CONNECT_SECONDS = 2.0
 """Bound on one attempt to reach the coordinator's store while waiting for it."""
@@ -103,9 +107,13 @@ class NodeLink:
         kill: Callable[[int, int], None],
         fence: Callable[[str], None],
         grace: float | None = None,
+        beats_dir: str | None = None,
+        slots: range = range(0),
     ) -> None:
-        """``grace``: fence after this long without a renewal (default and at most ``lease_seconds``)."""
+        """``grace``: fence after this long without a renewal (default and at most ``lease_seconds``);
+        ``beats_dir``: where the node's ranks (``slots``) write their beats."""
         self.address, self.generation, self.node = address, generation, node
+        self.beats_dir, self.slots = beats_dir, slots
         self.token = token
         self.lease_seconds = lease_seconds
         self.grace = lease_seconds if grace is None else min(grace, lease_seconds)
@@ -189,17 +197,17 @@ class NodeLink:
 
     def _run(self) -> None:
         period = renew_seconds(self.lease_seconds)
-        next_renewal = 0.0
+        next_renewal = next_kill_check = 0.0
         while not self._stop.is_set():
             if self._lease_lapsed():  # a frozen node that thaws sees first how long it was gone
                 return
             try:
                 if time.monotonic() >= next_renewal:
                     self._renew()
-                    # Kill orders (a hung rank, judged after seconds) at the lease's period: one
-                    # read per renewal instead of one every 20 ms.
-                    self._take_kills()
                     next_renewal = time.monotonic() + period
+                if time.monotonic() >= next_kill_check:
+                    self._take_kills()
+                    next_kill_check = time.monotonic() + KILL_CHECK_SECONDS
                 self._send_reports()
             except Exception:  # the store is unreachable: the lease lapses unless it comes back
                 pass
@@ -227,7 +235,8 @@ class NodeLink:
         return True
 
     def _renew(self) -> None:
-        self._store.set(proto.lease_key(self.node), Lease(self.node_incarnation, time.time()).to_json())
+        beats = read_beats(self.beats_dir, self.slots) if self.beats_dir else {}
+        self._store.set(proto.lease_key(self.node), Lease(self.node_incarnation, time.time(), beats).to_json())
         self.last_renewal = time.time()
 
     def _send_reports(self) -> None:

@@ -4,7 +4,8 @@
 pending membership changes. Trainers post requests; the launcher validates them (the job token,
 the slot, the kind) and appends the accepted ones, and the failures it detects itself, to
 ``pending``. At the end of every iteration the current members fix, with one ``compare_set``, which
-pending changes take effect: the first member to reach the boundary decides for all. After a
+pending changes take effect: the first member to reach the boundary decides for all, with one
+``compare_set`` each (a member proposes the changes its watcher has seen; it reads no key). After a
 failure the survivors post their progress and fix one recovery decision the same way.
 
 Every key lives under ``job/<generation>/``: a restart from a checkpoint starts a new generation,
@@ -22,20 +23,24 @@ request_count, request/<k>      :class:`Request` JSON (k from ``add(request_coun
 pending                         JSON list of :class:`Change` (append-only, seq = index):  launcher
                                 ``failed``, ``leave``, ``join``, ``move`` (a migration),
                                 ``retired`` (a slot that will not be started again)
-alert                           counter, +1 per failure put in ``pending``             launcher
+alert                           counter: the length of ``pending`` (moved on after     launcher
+                                every write of it)
 alert/<slot>/<k>                set for every slot, in one write, when ``alert`` is k;  launcher
-                                a member's failure watcher blocks on its own next one  (its own
-                                (and sets it to wake itself when it stops)               at stop)
+                                a rank's watcher blocks on its own next one (and sets  (its own
+                                it to wake itself when it stops): every change wakes    at stop)
+                                every rank, and no rank polls for changes
 decision/<n>/<i>                :class:`Decision` for epoch n at the end of iteration i  members
 progress/<n>/<slot>             a survivor's :class:`Progress` after a failure in n     members
 progress_count/<n>              counter: survivors that posted their progress in n      members
 recovery/<n>                    the survivors' :class:`Decision` after a failure in n  members
 ready/<n>                       counter: members of epoch n ready to build its world   members
+entered/<n>                     set by the member whose ``ready/<n>`` count completed    members
+                                epoch n's members (the others block on it)
 world/<n>/...                   the gloo rendezvous of epoch n's world                 torch
-heartbeat/<slot>                wall time of the last heartbeat, or HEARTBEAT_STOPPED  trainer
-iteration_seconds/<slot>        the trainer's measured iteration time (float)          trainer
 node_incarnation/<node>         counter: +1 per agent start of that node               agent
-lease/<node>                    :class:`Lease` JSON, renewed by the node's agent         agent
+lease/<node>                    :class:`Lease` JSON, renewed by the node's agent, with  agent
+                                its ranks' last :class:`Beat` (heartbeat, iteration    (node 0:
+                                time: relayed from the node-local beat files)          coordinator)
 domain/<node>                   the node's failure domain (``--domain``; "" for none)  agent
 report_count, report/<k>        :class:`AgentReport` JSON: a rank started or exited    agent
 kill_count/<node>, kill/<node>/<k>  slot and incarnation the node's agent must kill    launcher
@@ -50,6 +55,10 @@ coordinator runs; written once its ``job/<g>/`` keys are) and ``check_in/<node>`
 :class:`CheckIn`: an agent waiting for the coordinator to start a generation). A coordinator
 restarted after its host died has a fresh store: it waits for every node's check-in and runs
 generation max(last) + 1, so that no process of an earlier generation can write into the new one.
+
+A rank never writes its heartbeat to the store: it writes it to a file in its node's beat
+directory (``DS_RECYCLE_BEATS``, :mod:`ds_recycle.runtime.beats`), and its node's agent relays every
+rank's last beat in its lease, one write per node and renewal instead of ten per rank and second.
 
 With several nodes, node 0's agent hosts the store and the coordinator; every other node's agent
 reports its ranks' starts and exits (``report/<k>``), holds a lease (``lease/<node>``), and carries
@@ -72,6 +81,9 @@ ENV_TOKEN = "DS_RECYCLE_TOKEN"
 """The job's secret; a request without it is refused."""
 ENV_INCARNATION = "DS_RECYCLE_INCARNATION"
 """0 for a rank's first start, k after its k-th respawn: a process with k > 0 joins a running job."""
+ENV_BEATS = "DS_RECYCLE_BEATS"
+"""The node-local directory where each rank writes its heartbeat (one file per slot) for its node's
+agent to relay (set by ``ds-recycle launch``)."""
 ENV_ALLOW_UNSAFE_PLACEMENT = "DS_RECYCLE_ALLOW_UNSAFE_PLACEMENT"
 """Set to 1 by ``ds-recycle launch --allow-unsafe-placement``: start even if one node holds every
 replica of a stage (its loss then stops the job or restarts it from a checkpoint)."""
@@ -108,13 +120,6 @@ left it), so a migration may fill it. It changes no membership."""
 REQUEST_KINDS = (LEAVE, JOIN, PROBE, MOVE)
 OUT_KINDS = (FAILED, LEAVE, MOVE)
 """The kinds of change that take a member out of the next epoch."""
-
-
-HEARTBEAT_STOPPED = "stopped"
-"""Written to ``heartbeat/<slot>`` by a trainer that stops beating on purpose (it finished, or it
-left and is exiting): the launcher then stops checking that slot's heartbeat until a numeric one
-arrives (a respawned process). Without it, a process whose teardown outlasts the heartbeat timeout
-is declared failed and killed."""
 
 
 STORE_TIMEOUT_SECONDS = 120.0
@@ -177,6 +182,10 @@ def ready_key(epoch: int) -> str:
     return f"ready/{epoch}"
 
 
+def entered_key(epoch: int) -> str:
+    return f"entered/{epoch}"
+
+
 def world_prefix(epoch: int) -> str:
     """The prefix of epoch ``epoch``'s gloo rendezvous keys."""
     return f"world/{epoch}/"
@@ -217,14 +226,6 @@ def check_in_key(node: int) -> str:
 
 def request_key(index: int) -> str:
     return f"request/{index}"
-
-
-def heartbeat_key(slot: int) -> str:
-    return f"heartbeat/{slot}"
-
-
-def iteration_seconds_key(slot: int) -> str:
-    return f"iteration_seconds/{slot}"
 
 
 WORLD_SIZE = "world_size"
@@ -386,19 +387,44 @@ class AgentReport:
 
 
 @dataclass(frozen=True)
+class Beat:
+    """A rank's last heartbeat: when it was written, and the rank's last measured iteration time."""
+
+    time: float
+    """Wall time of the beat (a trainer that exits dates its last one ahead: its teardown is no hang)."""
+    iteration_seconds: float | None = None
+    stopped: bool = False
+    """The trainer stopped beating on purpose (it finished, or left and is exiting): the coordinator
+    does not check the slot until a later beat arrives (a respawned process). Without it, a process
+    whose teardown outlasts the heartbeat timeout is declared failed and killed."""
+
+    def to_list(self) -> list:
+        return [self.time, self.iteration_seconds, self.stopped]
+
+    @classmethod
+    def from_list(cls, row: list) -> Beat:
+        time, seconds, stopped = row
+        return cls(float(time), None if seconds is None else float(seconds), bool(stopped))
+
+
+@dataclass(frozen=True)
 class Lease:
-    """A node's agent is alive: renewed every fraction of the lease timeout."""
+    """A node's agent is alive: renewed every fraction of the lease timeout, with the last beat of
+    each of the node's ranks that has one."""
 
     node_incarnation: int
     time: float
+    beats: dict[int, Beat] = field(default_factory=dict)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        beats = {str(slot): beat.to_list() for slot, beat in self.beats.items()}
+        return json.dumps({"node_incarnation": self.node_incarnation, "time": self.time, "beats": beats})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Lease:
         data = json.loads(text)
-        return cls(int(data["node_incarnation"]), float(data["time"]))
+        beats = {int(slot): Beat.from_list(row) for slot, row in data.get("beats", {}).items()}
+        return cls(int(data["node_incarnation"]), float(data["time"]), beats)
 
 
 @dataclass(frozen=True)

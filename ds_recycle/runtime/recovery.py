@@ -196,7 +196,7 @@ class RankRuntime:
             membership = self.agent.wait_for_admission(self.config.join_timeout, predecessor_removed=admitted_once)
             admitted_once = True
             if self.watcher is None:  # from admission on, a failure among the members concerns it
-                self._start_watcher(seen=self.agent.failures_applied())
+                self._start_watcher(seen=self.agent.applied)
             try:
                 self._enter_epoch(self.agent.decision_creating(membership))
                 if self.agent.created_by_recovery(membership):
@@ -215,7 +215,7 @@ class RankRuntime:
 
     def _start_watcher(self, seen: int | None = None) -> None:
         self.watcher = FailureWatcher(
-            self.agent.connect(), self.engine.slot, self.agent.store, self.agent.failure_concerns_this_rank
+            self.agent.connect(), self.engine.slot, self.agent.store, self.agent.note_changes
         ).start(seen)
         self.engine.waiter.failed = self.watcher.flag
 
@@ -354,7 +354,7 @@ class RankRuntime:
             before = reporting.Before.of(engine)
             progress = Progress(engine.global_steps, engine.stepped_inflight)
             decision = self.agent.recover(progress, before.members, self.config.detect_timeout, GROUP_TIMEOUT_SECONDS)
-            self.watcher.acknowledge(self.agent.failures_applied())
+            self.watcher.acknowledge(self.agent.applied)
             logger.info(
                 f"ReCycle: slot {engine.slot} recovery decision: epoch {decision.next.epoch} members "
                 f"{list(decision.next.members)}, restart at iteration {decision.iteration} (this slot finished "

@@ -155,29 +155,30 @@ def read_status(store: Store, generation: int, nnodes: int | None = None) -> Job
     per_node = max(1, world // max(1, nnodes))
     history = proto.read_pending(store)
     report = proto.read_status_report(store)
-    beats = proto.read_present(store, [proto.heartbeat_key(slot) for slot in range(world)])
-    seconds = proto.read_present(store, [proto.iteration_seconds_key(slot) for slot in range(world)])
-    leases = proto.read_present(store, [proto.lease_key(node) for node in range(nnodes)])
+    leases = [
+        None if value is None else Lease.from_json(value)
+        for value in proto.read_present(store, [proto.lease_key(node) for node in range(nnodes)])
+    ]
+    beats = {slot: beat for lease in leases if lease is not None for slot, beat in lease.beats.items()}
     now = time.time()
     last = {change.slot: change for change in history}
     slow = set() if report is None else {(p, s) for p, s, _ in report.plan.slow}
     slots = []
     for slot in range(world):
         worker = report.workers[slot] if report is not None and slot < len(report.workers) else None
-        beat = _float(beats[slot])
+        beat = beats.get(slot)
         slots.append(
             SlotStatus(
                 slot=slot,
                 node=slot // per_node,
                 worker=worker,
                 state=slot_state(slot in membership.members, last.get(slot), worker in slow),
-                heartbeat_age_s=None if beat is None else round(now - beat, 3),
-                iteration_s=_float(seconds[slot]),
+                heartbeat_age_s=None if beat is None or beat.stopped else round(now - beat.time, 3),
+                iteration_s=None if beat is None else beat.iteration_seconds,
             )
         )
     nodes = tuple(
-        NodeStatus(node, None if lease is None else round(now - Lease.from_json(lease).time, 3))
-        for node, lease in enumerate(leases)
+        NodeStatus(node, None if lease is None else round(now - lease.time, 3)) for node, lease in enumerate(leases)
     )
     times = [slots[s].iteration_s for s in membership.members if slots[s].iteration_s]
     iteration = max(times, default=None)
@@ -285,13 +286,6 @@ class StatusServer:
     def status(self) -> JobStatus:
         with self._lock:
             return read_status(self._store, self.generation)
-
-
-def _float(value: bytes | str | None) -> float | None:
-    try:
-        return None if value is None else float(value)
-    except ValueError:
-        return None  # a heartbeat of a slot that stopped on purpose (HEARTBEAT_STOPPED)
 
 
 def _ratio(value: float, reference: float) -> float | None:

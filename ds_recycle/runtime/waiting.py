@@ -44,10 +44,12 @@ warning line, so it is long: a stopping watcher wakes itself)."""
 
 @dataclass
 class FailureWatcher:
-    """Raises :attr:`flag` when the coordinator's ``alert`` counter moves past ``seen``.
+    """Raises :attr:`flag` when the coordinator publishes a failure that concerns this rank.
 
     It blocks on this slot's next alert key (``alert/<slot>/<seen+1>``), which the coordinator sets
-    for every slot in one write when it publishes a failure: no store operation while nothing fails.
+    for every slot in one write whenever it appends changes to ``pending`` (``alert`` counts them):
+    no store operation while nothing changes. At every wake the rank takes the changes in
+    (:attr:`on_changes`), which is how it learns of leaves and joins without reading at boundaries.
     """
 
     store: object
@@ -55,10 +57,12 @@ class FailureWatcher:
     slot: int
     waker: object
     """Another client of the store: :meth:`stop` sets this watcher's key with it to wake it."""
-    concerns_this_rank: Callable[[object], bool] | None = None
-    """Given the watcher's store client: whether the announced failures concern this rank's peers.
-    One that does not (a joiner that died before it was admitted) is taken as seen, not raised."""
+    on_changes: Callable[[object], bool] | None = None
+    """Given the watcher's store client, at start and at every wake: the rank takes in the changes
+    published so far and says whether a failure among them concerns its peers. One that does not
+    (a joiner that died before it was admitted, or no failure at all) is taken as seen, not raised."""
     seen: int = 0
+    """How many changes of ``pending`` were taken into account."""
     flag: threading.Event = field(default_factory=threading.Event)
     raised_at: float | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -67,9 +71,11 @@ class FailureWatcher:
     """Orders the watcher's compare-and-raise against :meth:`acknowledge`."""
 
     def start(self, seen: int | None = None) -> FailureWatcher:
-        """Watch for failures after the first ``seen`` (default: every failure announced so far is
+        """Watch the changes after the first ``seen`` (default: every change published so far is
         seen)."""
         self.seen = int(self.store.add(proto.ALERT, 0)) if seen is None else seen
+        if self.on_changes is not None:
+            self.on_changes(self.store)  # the changes up to ``seen`` at least; later ones wake it
         self._thread = threading.Thread(target=self._run, name="recycle-failure-watcher", daemon=True)
         self._thread.start()
         # A thread caught inside a store call when the interpreter exits aborts the process.
@@ -94,7 +100,7 @@ class FailureWatcher:
             if value <= self.seen:
                 continue
             try:
-                relevant = self.concerns_this_rank is None or self.concerns_this_rank(self.store)
+                relevant = self.on_changes is None or self.on_changes(self.store)
             except Exception:  # cannot tell: stop and let recovery find out
                 relevant = True
             with self._lock:
@@ -123,8 +129,8 @@ class FailureWatcher:
             self.flag.set()
 
     def acknowledge(self, seen: int) -> None:
-        """Recovery has taken the first ``seen`` announced failures into account; a later one raises
-        the flag again."""
+        """Recovery has taken the first ``seen`` changes into account; a later failure raises the
+        flag again."""
         with self._lock:
             self.seen = seen
             self.flag.clear()

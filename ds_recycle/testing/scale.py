@@ -19,6 +19,8 @@ import math
 import multiprocessing as mp
 import os
 import resource
+import shutil
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -156,7 +158,7 @@ class EmulatedRank:
         agent.store = agent.connect()
         agent.current = proto.read_membership(agent.store)
         agent.start_heartbeat()
-        watcher = FailureWatcher(agent.connect(), agent.slot, agent.store, agent.failure_concerns_this_rank)
+        watcher = FailureWatcher(agent.connect(), agent.slot, agent.store, agent.note_changes)
         self.watcher = watcher.start()
         self.connected.set()
         done = agent.current.iteration
@@ -186,7 +188,7 @@ class EmulatedRank:
         before = agent.store.bytes_read
         members = agent.current.members
         decision = agent.recover(Progress(done, False), members, 30.0, 60.0)
-        watcher.acknowledge(agent.failures_applied())
+        watcher.acknowledge(agent.applied)
         held = time.time()
         epoch = decision.next.epoch
         self.records.append(("recovered", agent.slot, epoch, watcher.raised_at, held, agent.store.bytes_read - before))
@@ -197,7 +199,19 @@ class EmulatedRank:
         return decision.iteration
 
 
-def _worker(address: str, shape: Shape, nodes: list[int], t0: float, commands: mp.Queue, events: mp.Queue) -> None:
+def beats_dir(root: str, node: int) -> str:
+    """Node ``node``'s beat directory under the harness's ``root`` (one machine plays every node)."""
+    path = os.path.join(root, f"node{node}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _worker(
+    address: str, shape: Shape, nodes: list[int], t0: float, root: str, commands: mp.Queue, events: mp.Queue
+) -> None:
+    # As the launcher sets for its ranks: a store wait that times out (a slice of a bounded wait) is
+    # no warning.
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     import torch.distributed  # noqa: F401  (before the threads: ``connect`` imports it lazily)
 
     threading.stack_size(THREAD_STACK_BYTES)
@@ -241,13 +255,17 @@ def _worker(address: str, shape: Shape, nodes: list[int], t0: float, commands: m
                     log=lambda line: None,
                     kill=kill_rank,
                     fence=lambda why, slots=slots: fence(why, slots),
+                    beats_dir=beats_dir(root, node),
+                    slots=slots,
                 )
             )
             link.register()
             link.start()
             links[node] = link
         for slot in slots:
-            agent = MembershipAgent(address=address, slot=slot, token=TOKEN, incarnation=0, generation=0)
+            agent = MembershipAgent(
+                address=address, slot=slot, token=TOKEN, incarnation=0, generation=0, beats_dir=beats_dir(root, node)
+            )
             ranks[slot] = EmulatedRank(agent, shape, t0, records)
             ranks[slot].start()
             if node > 0:
@@ -324,6 +342,7 @@ class Harness:
         store.set(proto.PENDING, proto.changes_to_json([]))
         store.set(proto.CURRENT_EPOCH, "0")
         layout = NodeLayout(self.shape.nodes, self.shape.per_node, self.shape.lease_seconds)
+        self.root = tempfile.mkdtemp(prefix="ds_recycle_scale_beats_")
         self.coordinator = Coordinator(
             self.host,
             self.port,
@@ -334,6 +353,7 @@ class Harness:
             kill=lambda slot, incarnation: None,  # a member judged hung is counted from pending (the bench)
             policy=HeartbeatPolicy(min_timeout=max(10.0, 3 * self.shape.iteration_seconds)),
             nodes=layout,
+            beats_dir=beats_dir(self.root, 0),
         )
         self.coordinator.start()
         self.events: mp.Queue = ctx.Queue()
@@ -345,7 +365,8 @@ class Harness:
         self.owner = {node: w for w, nodes in enumerate(owners) for node in nodes}
         self.procs = [
             ctx.Process(
-                target=_worker, args=(self.address, self.shape, owners[w], self.t0, self.commands[w], self.events)
+                target=_worker,
+                args=(self.address, self.shape, owners[w], self.t0, self.root, self.commands[w], self.events),
             )
             for w in range(self.workers)
         ]
@@ -400,6 +421,7 @@ class Harness:
         self.coordinator.stop(timeout=2.0)
         self.server.kill()
         self.server.join()
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
 def count_store_operations() -> None:

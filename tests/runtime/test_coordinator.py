@@ -1,13 +1,16 @@
 """The coordinator against a real TCPStore, without rank processes: requests, exits, heartbeats.
 
 The launcher's side (starts, exits, the kill callback) is played by the test; the trainers' side
-(requests, heartbeats, iteration times, epochs) by a store client, as protocol.py describes it.
+(requests, epochs) by a store client, as protocol.py describes it, and their heartbeats (with their
+iteration times) by beat files in the node's beat directory.
 At the end, a node's agent link (``NodeLink``) against the same kind of store: its lease, the
 kill orders for its node, and its fence.
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
 from datetime import timedelta
 
@@ -15,8 +18,9 @@ import pytest
 import torch.distributed as dist
 
 from ds_recycle.runtime import protocol as proto
-from ds_recycle.runtime.coordinator import Coordinator, HeartbeatPolicy, RankExit, renew_seconds
-from ds_recycle.runtime.node import NodeLink
+from ds_recycle.runtime.beats import write_beat
+from ds_recycle.runtime.coordinator import Coordinator, HeartbeatPolicy, RankExit
+from ds_recycle.runtime.node import KILL_CHECK_SECONDS, NodeLink
 from ds_recycle.runtime.protocol import KillOrder, Lease, Membership, Request
 
 TOKEN = "a" * 32
@@ -35,6 +39,7 @@ class Harness:
         self.lines: list[str] = []
         self.events: list[dict] = []
         self.killed: list[tuple[int, int]] = []
+        self.beats_dir = tempfile.mkdtemp(prefix="ds_recycle_test_beats_")
         self.coordinator = Coordinator(
             "127.0.0.1",
             self.server.port,
@@ -45,11 +50,19 @@ class Harness:
             kill=lambda slot, incarnation: self.killed.append((slot, incarnation)),
             policy=policy,
             events=lambda event, **fields: self.events.append({"event": event, **fields}),
+            beats_dir=self.beats_dir,
         )
         self.started = time.time()
         for slot in range(WORLD):
             self.coordinator.rank_started(slot, 0, self.started)
         self.coordinator.start()
+
+    def beat(self, slot: int, when: float, iteration_seconds: float | None = None) -> None:
+        write_beat(self.beats_dir, slot, proto.Beat(when, iteration_seconds))
+
+    def stop(self) -> None:
+        self.coordinator.stop()
+        shutil.rmtree(self.beats_dir, ignore_errors=True)
 
     def request(self, kind: str, slot: int, token: str = TOKEN, pid: int = 4242, target: int | None = None) -> None:
         index = self.store.add(proto.REQUEST_COUNT, 1)
@@ -81,7 +94,7 @@ class Harness:
 def harness():
     h = Harness(HeartbeatPolicy(enabled=False))
     yield h
-    h.coordinator.stop()
+    h.stop()
 
 
 def test_requests_are_validated_and_refused_ones_change_nothing(harness):
@@ -108,7 +121,7 @@ def test_requests_are_validated_and_refused_ones_change_nothing(harness):
     h.request(proto.JOIN, 3)
     h.wait_for_line("refused join request for slot 3 from pid 4242: a join of this slot is already pending")
     assert [(c.seq, c.kind, c.slot) for c in h.pending()] == [(0, proto.LEAVE, 3), (1, proto.JOIN, 3)]
-    assert h.alerts() == 0, "requests are not failures"
+    assert h.alerts() == len(h.pending()), "every accepted change wakes the watchers: alert is the length of pending"
 
 
 def test_waitpid_exit_of_a_member_is_published_once_as_a_failure(harness):
@@ -118,7 +131,7 @@ def test_waitpid_exit_of_a_member_is_published_once_as_a_failure(harness):
     assert "ms after waitpid saw the exit" in line
     (change,) = h.pending()
     assert (change.seq, change.kind, change.slot, change.detail) == (0, proto.FAILED, 2, "signal SIGKILL")
-    assert h.alerts() == 1
+    assert h.alerts() == len(h.pending())
     # A failed slot joins again (its respawn) once an epoch without it is decided, not before.
     h.request(proto.JOIN, 2)
     h.wait_for_line("refused join request for slot 2 from pid 4242: still a member")
@@ -133,17 +146,17 @@ def test_waitpid_exit_of_a_member_is_published_once_as_a_failure(harness):
     h.request(proto.LEAVE, 1)
     h.wait_for_line("accepted leave of slot 1")
     assert [(c.kind, c.slot) for c in h.pending()] == [(proto.FAILED, 2), (proto.JOIN, 2), (proto.LEAVE, 1)]
-    assert h.alerts() == 1
+    assert h.alerts() == len(h.pending())
     # A leaver that dies before its boundary is a failure: its peers may be waiting on it.
     h.coordinator.rank_exited(RankExit(slot=1, incarnation=0, returncode=-15, observed=time.time()))
     h.wait_for_line("published failure of slot 1 (signal SIGTERM while leaving) in epoch 1")
     assert [(c.kind, c.slot) for c in h.pending()][-1] == (proto.FAILED, 1)
-    assert h.alerts() == 2
+    assert h.alerts() == len(h.pending())
     # A joiner that dies before its join is decided: failed too, so the admitting decision removes it.
     h.coordinator.rank_exited(RankExit(slot=2, incarnation=1, returncode=-9, observed=time.time()))
     h.wait_for_line("published failure of slot 2 (signal SIGKILL while its join was pending) in epoch 1")
     assert [(c.kind, c.slot) for c in h.pending()][-1] == (proto.FAILED, 2)
-    assert h.alerts() == 3
+    assert h.alerts() == len(h.pending())
 
 
 def test_a_move_is_accepted_only_into_a_retired_slot_that_no_other_move_fills(harness):
@@ -184,7 +197,7 @@ def test_a_move_is_accepted_only_into_a_retired_slot_that_no_other_move_fills(ha
     assert h.coordinator.moved_to(2) == 3
     assert proto.moves_under_way(h.pending(), (0,)) == {}
     kinds = [(c.kind, c.slot, c.target) for c in h.pending()]
-    assert kinds[-1] == (proto.MOVE, 2, 3) and h.alerts() == 2
+    assert kinds[-1] == (proto.MOVE, 2, 3) and h.alerts() == len(h.pending())
 
 
 def _decide_at_boundary(h: Harness, members: tuple[int, ...], taken: int) -> None:
@@ -208,7 +221,7 @@ def test_a_leaver_that_dies_after_its_leave_was_decided_is_a_failure_of_its_last
     h.coordinator.rank_exited(RankExit(slot=3, incarnation=0, returncode=-9, observed=time.time()))
     h.wait_for_line("published failure of slot 3 (signal SIGKILL while leaving (its leave was decided")
     assert [(c.kind, c.slot) for c in h.pending()] == [(proto.LEAVE, 3), (proto.FAILED, 3)]
-    assert h.alerts() == 1
+    assert h.alerts() == len(h.pending())
     h.request(proto.LEAVE, 2)
     h.wait_for_line("accepted leave of slot 2")
     _decide_at_boundary(h, (0, 1), 2)
@@ -219,7 +232,7 @@ def test_a_leaver_that_dies_after_its_leave_was_decided_is_a_failure_of_its_last
     h.wait_for_line("accepted leave of slot 1")
     kinds = [(c.kind, c.slot) for c in h.pending()]
     assert kinds == [(proto.LEAVE, 3), (proto.FAILED, 3), (proto.LEAVE, 2), (proto.LEAVE, 1)], kinds
-    assert h.alerts() == 1
+    assert h.alerts() == len(h.pending())
 
 
 def test_every_decision_it_logs_is_also_a_structured_event(harness):
@@ -254,18 +267,18 @@ def test_a_probe_publishes_members_that_ended_without_a_failure(harness):
     line = h.wait_for_line("probe from slot 0 (pid 4242) in epoch 0")
     assert line.endswith("published failure of ended members [3]"), line
     assert [(c.kind, c.slot, c.detail) for c in h.pending()] == [(proto.FAILED, 3, "ended while still a member")]
-    assert h.alerts() == 1
+    assert h.alerts() == len(h.pending())
     h.request(proto.PROBE, 1)
     line = h.wait_for_line("probe from slot 1 (pid 4242) in epoch 0")
     assert line.endswith("every member's process is running"), line
-    assert h.alerts() == 1
+    assert h.alerts() == len(h.pending())
 
 
 def test_stale_heartbeat_is_a_failure_and_the_process_is_killed():
     h = Harness(HeartbeatPolicy(min_timeout=0.3, factor=3.0, startup_timeout=60.0))
     try:
-        # Slots 0-2 beat; slot 3 never has (it is still starting): it is not checked.
-        h.store.set(proto.iteration_seconds_key(0), "0.2")  # timeout = max(0.3, 3 * 0.2) = 0.6 s
+        # Slots 0-2 beat; slot 3 never has (it is still starting): it is not checked. Slot 0's
+        # iteration time sets the timeout: max(0.3, 3 * 0.2) = 0.6 s.
         beats = {slot: time.time() for slot in range(3)}
         stopped = time.time()
         deadline = time.monotonic() + 5
@@ -274,7 +287,7 @@ def test_stale_heartbeat_is_a_failure_and_the_process_is_killed():
             for slot in (0, 1):  # slot 2 stops beating
                 beats[slot] = now
             for slot, beat in beats.items():
-                h.store.set(proto.heartbeat_key(slot), repr(beat))
+                h.beat(slot, beat, 0.2 if slot == 0 else None)
             time.sleep(0.05)
         line = h.wait_for_line("published failure of slot 2: heartbeat stale")
         assert "(timeout 0.60 s)" in line, line
@@ -282,23 +295,45 @@ def test_stale_heartbeat_is_a_failure_and_the_process_is_killed():
         (change,) = h.pending()
         assert (change.kind, change.slot) == (proto.FAILED, 2)
         assert 0.6 <= change.time - stopped < 3.0
-        assert h.alerts() == 1
+        assert h.alerts() == len(h.pending())
+        # The node's lease carries its ranks' beats (what the status page reads).
+        lease = Lease.from_json(h.store.get(proto.lease_key(0)))
+        assert sorted(lease.beats) == [0, 1, 2] and lease.beats[0].iteration_seconds == 0.2
     finally:
-        h.coordinator.stop()
+        h.stop()
 
 
 def test_a_heartbeat_of_an_earlier_incarnation_does_not_count():
     h = Harness(HeartbeatPolicy(min_timeout=0.2, startup_timeout=0.5))
     try:
-        h.store.set(proto.heartbeat_key(1), repr(time.time() - 100))  # left by incarnation 0
+        h.beat(1, time.time() - 100)  # left by incarnation 0
         h.coordinator.rank_started(1, 1, time.time())
         for slot in (0, 2, 3):
-            h.store.set(proto.heartbeat_key(slot), repr(time.time() + 100))  # fresh for the whole test
+            h.beat(slot, time.time() + 100)  # fresh for the whole test
         line = h.wait_for_line("published failure of slot 1: no heartbeat")
         assert "after start" in line
         assert h.killed == [(1, 1)]
     finally:
-        h.coordinator.stop()
+        h.stop()
+
+
+def test_a_stopped_beat_is_not_checked():
+    """A rank that stops beating on purpose (it finished, or left and is exiting) is not hung."""
+    h = Harness(HeartbeatPolicy(min_timeout=0.2, startup_timeout=60.0))
+    try:
+        for slot in range(3):
+            h.beat(slot, time.time())  # 1 and 2 never again
+        write_beat(h.beats_dir, 3, proto.Beat(time.time(), None, stopped=True))
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and len(h.killed) < 2:
+            h.beat(0, time.time())
+            time.sleep(0.05)
+        for _ in range(10):
+            h.beat(0, time.time())
+            time.sleep(0.05)
+        assert sorted(h.killed) == [(1, 0), (2, 0)], h.lines
+    finally:
+        h.stop()
 
 
 def test_policy_timeout_follows_the_slowest_iteration():
@@ -323,9 +358,9 @@ def test_late_heartbeats_raise_the_timeout_instead_of_killing_a_slow_member():
     try:
         for gap, beats in ((0.2, 6), (0.6, 3)):
             for _ in range(beats):
-                now = repr(time.time())
+                now = time.time()
                 for slot in range(WORLD):
-                    h.store.set(proto.heartbeat_key(slot), now)
+                    h.beat(slot, now)
                 time.sleep(gap)
         time.sleep(1.5 - 0.6)
         assert h.killed == [], h.lines
@@ -335,7 +370,7 @@ def test_late_heartbeats_raise_the_timeout_instead_of_killing_a_slow_member():
         assert h.killed, "a member silent for far longer than 4 x the worst gap is hung"
         assert any("(timeout 2." in line for line in h.lines), h.lines
     finally:
-        h.coordinator.stop()
+        h.stop()
 
 
 def _watchers(h: Harness, slots: range) -> list:
@@ -349,7 +384,7 @@ def _watchers(h: Harness, slots: range) -> list:
         agent.store = agent.connect()
         agent.current = proto.read_membership(agent.store)
         client = CountingStore(agent.connect())
-        watchers.append(FailureWatcher(client, slot, agent.store, agent.failure_concerns_this_rank).start())
+        watchers.append(FailureWatcher(client, slot, agent.store, agent.note_changes).start())
     return watchers
 
 
@@ -366,21 +401,27 @@ def test_failure_watchers_block_without_store_traffic_and_all_wake_on_a_publishe
     h = Harness(HeartbeatPolicy(enabled=False))
     try:
         watchers = _watchers(h, range(WORLD))
+        started = [w.store.ops for w in watchers]  # the count and the rank's first look at pending
         time.sleep(1.0)
-        # The count at start; the one wait each is still blocked (counted when it returns): no polling.
-        assert [w.store.ops for w in watchers] == [1] * WORLD
+        # The one wait each is still blocked (counted when it returns): no polling.
+        assert [w.store.ops for w in watchers] == started
+        # A leave wakes every watcher (the ranks learn of it without reading at their boundaries)
+        # and raises none.
+        h.request(proto.LEAVE, 3)
+        assert _wait(lambda: all(w.seen == 1 for w in watchers)), "every watcher takes the leave in"
+        assert all([c.kind for c in w.on_changes.__self__._known] == [proto.LEAVE] for w in watchers)
         assert not any(w.flag.is_set() for w in watchers)
         h.coordinator.rank_exited(RankExit(2, 0, -9, time.time()))
         assert _wait(lambda: all(w.flag.is_set() for w in watchers)), "every watcher wakes on the one alert write"
         for w in watchers:
-            w.acknowledge(1)
+            w.acknowledge(2)
         time.sleep(0.3)
         assert not any(w.flag.is_set() for w in watchers), "an acknowledged failure is not raised again"
         for w in watchers:
             w.stop()
             assert not w._thread.is_alive(), "a stopping watcher wakes itself"
     finally:
-        h.coordinator.stop()
+        h.stop()
 
 
 def test_a_watcher_key_left_by_a_stopped_process_neither_raises_nor_spins_in_its_successor():
@@ -392,21 +433,23 @@ def test_a_watcher_key_left_by_a_stopped_process_neither_raises_nor_spins_in_its
         (successor,) = _watchers(h, range(1, 2))
         time.sleep(0.5)
         assert not successor.flag.is_set()
-        assert successor.store.ops <= 6, f"{successor.store.ops} store operations: the stale key must not make it spin"
+        assert successor.store.ops <= 12, f"{successor.store.ops} store operations: the stale key must not make it spin"
         h.coordinator.rank_exited(RankExit(3, 0, -9, time.time()))
         assert _wait(successor.flag.is_set), "the real alert with the same number still wakes it"
         successor.stop()
     finally:
-        h.coordinator.stop()
+        h.stop()
 
 
 # ---- the other side: a node's agent link (runtime/node.py) ----------------------------------------
 
 
-def test_the_link_renews_its_lease_and_carries_out_its_nodes_kill_orders_only():
+def test_the_link_renews_its_lease_with_its_ranks_beats_and_carries_out_its_nodes_kill_orders_only(tmp_path):
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     store = dist.PrefixStore(proto.prefix(0), server)
     killed: list[tuple[int, int]] = []
+    write_beat(tmp_path, 5, proto.Beat(123.5, 0.75))
+    write_beat(tmp_path, 9, proto.Beat(124.0))  # another node's slot: not this link's to relay
     link = NodeLink(
         f"127.0.0.1:{server.port}",
         0,
@@ -416,17 +459,22 @@ def test_the_link_renews_its_lease_and_carries_out_its_nodes_kill_orders_only():
         log=lambda line: None,
         kill=lambda s, i: killed.append((s, i)),
         fence=lambda why: None,
+        beats_dir=str(tmp_path),
+        slots=range(4, 8),
     )
     assert link.register() == 1
     link.start()
     try:
         first = Lease.from_json(store.get(proto.lease_key(1))).time
         assert _wait(lambda: Lease.from_json(store.get(proto.lease_key(1))).time > first, 1.0), "lease not renewed"
+        assert Lease.from_json(store.get(proto.lease_key(1))).beats == {5: proto.Beat(123.5, 0.75)}
+        write_beat(tmp_path, 4, proto.Beat(125.0))
+        assert _wait(lambda: 4 in Lease.from_json(store.get(proto.lease_key(1))).beats, 1.0), "beat not relayed"
         for node, slot, incarnation in ((1, 5, 2), (0, 1, 0), (1, 4, 0)):  # the coordinator's writes
             index = int(store.add(proto.kill_count_key(node), 1))
             store.set(proto.kill_key(node, index), KillOrder(slot, incarnation).to_json())
-        # Taken at the lease's renewal period (0.1 s here), in order; node 0's order is not its own.
-        assert _wait(lambda: len(killed) == 2, 4 * renew_seconds(2.0) + 1.0), killed
+        # Read once a second (a hang is judged after seconds), in order; node 0's order is not its own.
+        assert _wait(lambda: len(killed) == 2, KILL_CHECK_SECONDS + 1.0), killed
         assert killed == [(5, 2), (4, 0)]
     finally:
         link.stop()

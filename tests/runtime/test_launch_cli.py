@@ -216,20 +216,20 @@ HEARTBEAT_SCRIPT = (
     + """
 import threading
 
+from ds_recycle.runtime.beats import write_beat
+
 stop = threading.Event()
+BEATS = os.environ[proto.ENV_BEATS]
 
 
 def beat():
-    own = dist.PrefixStore(proto.prefix(0), dist.TCPStore(host, int(port), is_master=False,
-                                                           timeout=timedelta(seconds=30), wait_for_workers=False))
     while not stop.wait(0.1):
-        own.set(proto.heartbeat_key(RANK), repr(time.time()))
+        write_beat(BEATS, RANK, proto.Beat(time.time(), 0.05))
 
 
 beater = threading.Thread(target=beat, daemon=True)
 beater.start()
-store.set(proto.iteration_seconds_key(RANK), "0.05")
-store.set(proto.heartbeat_key(RANK), repr(time.time()))  # the first beat, before the test may stop us
+write_beat(BEATS, RANK, proto.Beat(time.time(), 0.05))  # the first beat, before the test may stop us
 (OUT / f"ready{RANK}").touch()
 if RANK == 1:
     time.sleep(60)  # SIGSTOPped by the test, then killed by the launcher
@@ -241,7 +241,7 @@ store.set(proto.CURRENT_EPOCH, "1")
 print("PENDING " + proto.changes_to_json(pending()), flush=True)
 stop.set()
 beater.join()
-store.set(proto.heartbeat_key(RANK), proto.HEARTBEAT_STOPPED)  # teardown may outlast the timeout
+write_beat(BEATS, RANK, proto.Beat(time.time(), 0.05, stopped=True))  # teardown may outlast the timeout
 """
 )
 
