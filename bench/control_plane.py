@@ -26,7 +26,7 @@ import statistics
 import sys
 import time
 
-from ds_recycle.testing.scale import Harness, Shape, count_store_operations
+from ds_recycle.testing.scale import Harness, Shape, count_store_operations, store_capacity
 
 PER_NODE = 8
 
@@ -118,11 +118,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iteration", type=float, default=1.0, help="emulated iteration time, seconds")
     parser.add_argument("--lease", type=float, default=10.0, help="node lease timeout, seconds")
     parser.add_argument("--smoke", action="store_true", help="N = 24 only, one worker, short window (the suite's run)")
+    parser.add_argument(
+        "--capacity", action="store_true", help="first, the store server's saturation point, libuv and not"
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         args.ranks, args.workers, args.window = [24], 1, 1.0
     if any(n % PER_NODE or n < 3 * PER_NODE for n in args.ranks):
         parser.error(f"--ranks: each N must be a multiple of {PER_NODE}, at least {3 * PER_NODE}")
+    if args.capacity:
+        for use_libuv in (True, False):
+            rate = store_capacity(use_libuv)
+            print(f"store capacity ({'libuv' if use_libuv else 'classic'} backend, 2 x 32 clients): {rate:.0f} ops/s")
     count_store_operations()
     print(
         f"{'ranks':>6} {'nodes':>5} {'start s':>7} {'ops/s':>9} {'per node':>8} {'coord':>7} {'boundary ms':>12} "

@@ -293,15 +293,66 @@ def _worker(
             return
 
 
-def _serve_store(host: str, ports: mp.Queue) -> None:
+def _serve_store(host: str, ports: mp.Queue, use_libuv: bool = True) -> None:
     """The TCPStore server, in a process of its own (as on the coordinator's host)."""
     import torch.distributed as dist
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    server = dist.TCPStore(
+        host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60), use_libuv=use_libuv
+    )
     ports.put(server.port)
     threading.Event().wait()
+
+
+def _hammer(address: str, clients: int, seconds: float, results: mp.Queue) -> None:
+    """``clients`` threads, each with its own client, doing ``add(key, 0)`` back to back."""
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    counts = [0] * clients
+    stop = threading.Event()
+
+    def run(index: int) -> None:
+        store = proto.connect(address, 0, timeout=60.0)
+        store.add("hammer", 0)
+        ready.wait()
+        while not stop.is_set():
+            store.add("hammer", 0)
+            counts[index] += 1
+
+    ready = threading.Event()
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.0)
+    ready.set()
+    time.sleep(seconds)
+    stop.set()
+    results.put(sum(counts))
+    for thread in threads:
+        thread.join(timeout=5.0)
+
+
+def store_capacity(use_libuv: bool, processes: int = 2, clients: int = 32, seconds: float = 3.0) -> float:
+    """Store operations per second that one TCPStore server answers when ``processes`` x ``clients``
+    connections send small operations back to back (its saturation point on this machine)."""
+    ctx = mp.get_context("spawn")
+    ports: mp.Queue = ctx.Queue()
+    server = ctx.Process(target=_serve_store, args=("127.0.0.1", ports, use_libuv), daemon=True)
+    server.start()
+    try:
+        address = f"127.0.0.1:{ports.get(timeout=120.0)}"
+        results: mp.Queue = ctx.Queue()
+        procs = [ctx.Process(target=_hammer, args=(address, clients, seconds, results)) for _ in range(processes)]
+        for proc in procs:
+            proc.start()
+        total = sum(results.get(timeout=600.0) for _ in procs)
+        for proc in procs:
+            proc.join(timeout=10.0)
+        return total / seconds
+    finally:
+        server.kill()
+        server.join()
 
 
 def _retrying(make, tries: int = 10):
