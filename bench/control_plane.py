@@ -13,7 +13,10 @@ iterations that sleep) in worker processes; every store client counts its operat
   decision (the lease timeout plus the protocol's part);
 - healthy ranks declared failed (a saturated store delays heartbeats and leases).
 
-    python bench/control_plane.py [--ranks 256 1024 4096 16384] [--workers 8] [--window 5] [--smoke]
+- with ``--capacity``, first: the store server's saturation point (2 processes x 32 clients sending
+  small operations back to back), with the libuv backend and the classic one.
+
+    python bench/control_plane.py [--ranks 256 1024 4096 16384] [--workers 8] [--window 5] [--capacity] [--smoke]
 
 The last line: ``control plane at N ranks: process death -> X ms, node loss -> Y ms, steady load Z
 ops/s per node`` for the largest N run.
@@ -98,7 +101,13 @@ def run(ranks: int, workers: int, window: float, iteration: float, lease: float)
         lost_slots = {PER_NODE + 1, *range(2 * PER_NODE, 3 * PER_NODE)}
         failed = {c.slot for c in harness.coordinator.pending() if c.kind == "failed"}
         row["declared_hung"] = len(failed - lost_slots)
+    except Exception:
+        failed = [c for c in harness.coordinator.pending() if c.kind == "failed"]
+        row["declared_hung"] = len(failed)
+        raise
     finally:
+        for change in [c for c in harness.coordinator.pending() if c.kind == "failed"][:3]:
+            print(f"#   {ranks} ranks: failed slot {change.slot}: {change.detail}", flush=True)
         harness.close()
     return row
 

@@ -277,9 +277,13 @@ class MembershipAgent:
         a leaver the decision making the latest one took out (it died before it finished the
         iteration its leave closed). A joiner that died before it was admitted concerns nobody."""
         pending = proto.read_pending(store)
-        self._known = pending
         slots = concerned(self.current, proto.read_membership(store), store)
-        return any(c.kind == proto.FAILED and c.slot in slots for c in pending[self.applied :])
+        relevant = any(c.kind == proto.FAILED and c.slot in slots for c in pending[self.applied :])
+        # Taken in last, just before the watcher raises its flag: a boundary that already holds a
+        # failure in its proposal but passed its flag check would decide the failure away, and the
+        # rank would then recover from a failure it no longer sees (and probe for it).
+        self._known = pending
+        return relevant
 
     def migrations(self) -> tuple[set[int], dict[int, int]]:
         """The retired slots no move fills, and the accepted moves not decided yet (mover ->

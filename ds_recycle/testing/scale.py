@@ -306,26 +306,32 @@ def _serve_store(host: str, ports: mp.Queue, use_libuv: bool = True) -> None:
     threading.Event().wait()
 
 
-def _hammer(address: str, clients: int, seconds: float, results: mp.Queue) -> None:
-    """``clients`` threads, each with its own client, doing ``add(key, 0)`` back to back."""
+def _hammer(address: str, clients: int, seconds: float, start, results: mp.Queue) -> None:
+    """``clients`` threads, each with its own client, doing ``add(key, 0)`` back to back for
+    ``seconds`` once every client of every process is connected (``start``, a barrier: a connect
+    here can take seconds)."""
     os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     counts = [0] * clients
-    stop = threading.Event()
+    connected = threading.Semaphore(0)
+    go, stop = threading.Event(), threading.Event()
 
     def run(index: int) -> None:
         store = proto.connect(address, 0, timeout=60.0)
         store.add("hammer", 0)
-        ready.wait()
+        connected.release()
+        go.wait()
         while not stop.is_set():
             store.add("hammer", 0)
             counts[index] += 1
 
-    ready = threading.Event()
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(clients)]
     for thread in threads:
         thread.start()
-    time.sleep(1.0)
-    ready.set()
+    for _ in range(clients):
+        if not connected.acquire(timeout=300.0):
+            raise TimeoutError("the hammer's clients did not connect within 300 s")
+    start.wait(timeout=300.0)
+    go.set()
     time.sleep(seconds)
     stop.set()
     results.put(sum(counts))
@@ -343,7 +349,10 @@ def store_capacity(use_libuv: bool, processes: int = 2, clients: int = 32, secon
     try:
         address = f"127.0.0.1:{ports.get(timeout=120.0)}"
         results: mp.Queue = ctx.Queue()
-        procs = [ctx.Process(target=_hammer, args=(address, clients, seconds, results)) for _ in range(processes)]
+        start = ctx.Barrier(processes)
+        procs = [
+            ctx.Process(target=_hammer, args=(address, clients, seconds, start, results)) for _ in range(processes)
+        ]
         for proc in procs:
             proc.start()
         total = sum(results.get(timeout=600.0) for _ in procs)
