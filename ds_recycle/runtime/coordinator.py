@@ -577,14 +577,17 @@ class Coordinator:
         lease = Lease(0, time.time(), read_beats(self.beats_dir, self.nodes.slots(self.local_node)))
         self._store.set(proto.lease_key(self.local_node), lease.to_json())
 
-    def _beats(self) -> dict[int, Beat]:
-        """Every rank's last beat: this node's from its files, the others' from their leases (as the
-        lease check read them last)."""
-        beats: dict[int, Beat] = {}
+    def _beats(self) -> dict[int, tuple[Beat, float]]:
+        """Every rank's last beat, with the time it is judged at: this node's from its files (now),
+        the others' from their leases as the lease check read them last (at the lease's time: a
+        node whose agent stopped renewing is judged by its lease, as a whole, not rank by rank)."""
+        beats: dict[int, tuple[Beat, float]] = {}
         for lease in self._leases.values():
-            beats.update(lease.beats)
+            beats.update((slot, (beat, lease.time)) for slot, beat in lease.beats.items())
         if self.local_node is not None and self.beats_dir:
-            beats.update(read_beats(self.beats_dir, self.nodes.slots(self.local_node)))
+            now = time.time()
+            local = read_beats(self.beats_dir, self.nodes.slots(self.local_node))
+            beats.update((slot, (beat, now)) for slot, beat in local.items())
         return beats
 
     def _fail_node(self, node: int, detail: str) -> None:
@@ -647,7 +650,7 @@ class Coordinator:
         membership = self._current_membership()
         beats = self._beats()
         now = time.time()
-        published = [beats[s].iteration_seconds for s in membership.members if s in beats]
+        published = [beats[s][0].iteration_seconds for s in membership.members if s in beats]
         worst_iteration = max((seconds for seconds in published if seconds is not None), default=None)
         gaps = [gap for recent in self._gaps.values() for gap in recent]
         timeout = self.policy.timeout(worst_iteration, max(gaps) if gaps else None)
@@ -656,13 +659,13 @@ class Coordinator:
                 incarnation = self._incarnations.get(slot)
             if incarnation is None or not incarnation.running or self._out(slot):
                 continue
-            beat = beats.get(slot)
+            beat, judged_at = beats.get(slot, (None, now))
             if beat is not None and beat.time >= incarnation.started:
                 if beat.stopped:
                     continue
                 self._job_heartbeats = True
                 self._note_beat(slot, incarnation.number, beat.time)
-                age = now - beat.time
+                age = judged_at - beat.time
                 if age > timeout:
                     detail = f"heartbeat stale {age:.2f} s (timeout {timeout:.2f} s)"
                     self._declare_hung(slot, incarnation.number, detail, membership.epoch)
@@ -693,19 +696,16 @@ class Coordinator:
 
     def _append_all(self, changes: list[tuple]) -> None:
         """Append ``changes`` (kind, slot, time, detail[, target]) in one write: a decision takes all
-        or none. Then ``alert`` (the length of ``pending``) moves on, and one write wakes every
-        rank's watcher (each blocks on its own slot's next alert key): no rank polls for changes."""
+        or none (``alert`` counts them only once their keys are written). One more write wakes
+        every rank's watcher (each blocks on its own slot's next alert key): no rank polls."""
         if not changes:
             return
         with self._lock:
+            start = len(self._pending)
             for kind, slot, when, detail, *target in changes:
                 self._pending.append(Change(len(self._pending), kind, slot, when, detail, *target))
-            text = proto.changes_to_json(self._pending)
-        self._store.set(proto.PENDING, text)
-        count = int(self._store.add(proto.ALERT, len(changes)))
-        counts = range(count - len(changes) + 1, count + 1)
-        keys = [proto.alert_key(slot, k) for k in counts for slot in range(self.world_size)]
-        self._store.multi_set(keys, ["1"] * len(keys))
+            new = self._pending[start:]
+        proto.append_changes(self._store, start, new, self.world_size)
 
     def _last_change(self, slot: int) -> Change | None:
         with self._lock:

@@ -173,7 +173,6 @@ class CoordinatorHost:
         store.set(proto.WORLD_SIZE, str(n))
         store.set(proto.NODES, str(config.nnodes))
         store.set(proto.epoch_key(0), Membership(0, tuple(range(n)), 0).to_json())
-        store.set(proto.PENDING, proto.changes_to_json([]))
         store.set(proto.CURRENT_EPOCH, "0")
         if config.local_node is not None:
             store.set(proto.domain_key(config.local_node), local_domain)

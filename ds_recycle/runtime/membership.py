@@ -208,7 +208,7 @@ class MembershipAgent:
             if _wait_for_key(self.store, proto.recovery_key(epoch), RECOVERY_SLICE_SECONDS):
                 break
             if time.monotonic() > deadline:
-                survivors = self._survivors(tuple(proto.read_pending(self.store)[self.applied :]))
+                survivors = self._survivors(tuple(self._read_pending()[self.applied :]))
                 posted = [proto.progress_key(epoch, s) for s in survivors]
                 missing = [s for s, k in zip(survivors, posted, strict=True) if not self.store.check([k])]
                 raise MembershipError(f"survivors {missing} did not report their progress within {timeout:.0f} s")
@@ -217,7 +217,7 @@ class MembershipAgent:
     def _propose_recovery(self, epoch: int) -> None:
         """Fix epoch ``epoch``'s recovery decision if every survivor (as the changes pending now
         say) has posted its progress; else leave it to the survivor that completes the count."""
-        pending = proto.read_pending(self.store)
+        pending = self._read_pending()
         changes = tuple(pending[self.applied :])
         survivors = self._survivors(changes)
         posted = [proto.progress_key(epoch, s) for s in survivors]
@@ -267,8 +267,12 @@ class MembershipAgent:
 
     def failure_among(self, slots: set[int], store: Store | None = None) -> bool:
         """Whether a failure not yet taken by a decision concerns one of ``slots``."""
-        pending = proto.read_pending(store or self.store)
+        pending = self._read_pending(store)
         return any(c.kind == proto.FAILED and c.slot in slots for c in pending[self.applied :])
+
+    def _read_pending(self, store: Store | None = None) -> list[Change]:
+        """Every change so far, reading only those after the ones the watcher took in."""
+        return proto.read_pending(store or self.store, self._known)
 
     def note_changes(self, store: Store) -> bool:
         """For the watcher (its own store client), at its start and whenever changes were published:
@@ -276,7 +280,7 @@ class MembershipAgent:
         it concerns this rank: one of a member of this rank's epoch, of the latest decided one, or of
         a leaver the decision making the latest one took out (it died before it finished the
         iteration its leave closed). A joiner that died before it was admitted concerns nobody."""
-        pending = proto.read_pending(store)
+        pending = proto.read_pending(store, self._known)  # the new changes only
         slots = concerned(self.current, proto.read_membership(store), store)
         relevant = any(c.kind == proto.FAILED and c.slot in slots for c in pending[self.applied :])
         # Taken in last, just before the watcher raises its flag: a boundary that already holds a
@@ -288,7 +292,7 @@ class MembershipAgent:
     def migrations(self) -> tuple[set[int], dict[int, int]]:
         """The retired slots no move fills, and the accepted moves not decided yet (mover ->
         target), from every change the coordinator accepted so far."""
-        pending = proto.read_pending(self.store)
+        pending = self._read_pending()
         return proto.retired_slots(pending), proto.moves_under_way(pending, self.current.members)
 
     def _survivors(self, changes: tuple[Change, ...]) -> list[int]:

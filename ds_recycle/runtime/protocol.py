@@ -20,11 +20,12 @@ nodes                           the number of nodes (world_size / nodes ranks ea
 epoch/<n>                       :class:`Membership` JSON                               members
 current_epoch                   n, advanced by compare_set from n-1                    members
 request_count, request/<k>      :class:`Request` JSON (k from ``add(request_count,1)``)  anyone
-pending                         JSON list of :class:`Change` (append-only, seq = index):  launcher
-                                ``failed``, ``leave``, ``join``, ``move`` (a migration),
-                                ``retired`` (a slot that will not be started again)
-alert                           counter: the length of ``pending`` (moved on after     launcher
-                                every write of it)
+change/<seq>                    one :class:`Change` of ``pending``, the job's          launcher
+                                append-only list of changes: ``failed``, ``leave``,
+                                ``join``, ``move`` (a migration), ``retired`` (a slot
+                                that will not be started again)
+alert                           counter: how many changes there are (moved on after    launcher
+                                their keys are written): a reader reads only new ones
 alert/<slot>/<k>                set for every slot, in one write, when ``alert`` is k;  launcher
                                 a rank's watcher blocks on its own next one (and sets  (its own
                                 it to wake itself when it stops): every change wakes    at stop)
@@ -173,6 +174,10 @@ def progress_count_key(epoch: int) -> str:
     return f"progress_count/{epoch}"
 
 
+def change_key(seq: int) -> str:
+    return f"change/{seq}"
+
+
 def alert_key(slot: int, count: int) -> str:
     """Set once ``alert`` reached ``count``: what ``slot``'s failure watcher blocks on."""
     return f"alert/{slot}/{count}"
@@ -234,7 +239,6 @@ STATUS = "status"
 CURRENT_EPOCH = "current_epoch"
 REQUEST_COUNT = "request_count"
 REPORT_COUNT = "report_count"
-PENDING = "pending"
 ALERT = "alert"
 GENERATION = "generation"
 """At the store's root (no generation prefix)."""
@@ -270,10 +274,25 @@ def read_present(store: Store, keys: list[str]) -> list[bytes | None]:
     return [store.get(key) if store.check([key]) else None for key in keys]
 
 
-def read_pending(store: Store) -> list[Change]:
-    if not store.check([PENDING]):
-        return []
-    return changes_from_json(store.get(PENDING))
+def read_pending(store: Store, known: list[Change] | None = None) -> list[Change]:
+    """Every change so far: ``known`` (the first changes, as read before) and the ones after it."""
+    known = known or []
+    count = int(store.add(ALERT, 0))
+    if count <= len(known):
+        return list(known)
+    values = store.multi_get([change_key(seq) for seq in range(len(known), count)])
+    return known + [Change.from_json(value) for value in values]
+
+
+def append_changes(store: Store, start: int, changes: list[Change], world_size: int) -> int:
+    """The launcher's one write of new changes (``start`` = how many there were): their keys, then
+    ``alert``, then every slot's alert key for each (one ``multi_set`` wakes every watcher). Returns
+    the new count."""
+    store.multi_set([change_key(c.seq) for c in changes], [c.to_json() for c in changes])
+    count = int(store.add(ALERT, len(changes)))
+    keys = [alert_key(slot, k) for k in range(start + 1, count + 1) for slot in range(world_size)]
+    store.multi_set(keys, ["1"] * len(keys))
+    return count
 
 
 def post_request(store: Store, request: Request) -> int:
@@ -472,23 +491,32 @@ class Change:
     target: int | None = None
     """The slot a ``move`` fills."""
 
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Change:
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, c: dict) -> Change:
+        target = c.get("target")
+        return cls(
+            int(c["seq"]),
+            c["kind"],
+            int(c["slot"]),
+            float(c["time"]),
+            c.get("detail", ""),
+            None if target is None else int(target),
+        )
+
 
 def changes_to_json(changes: list[Change]) -> str:
     return json.dumps([asdict(c) for c in changes])
 
 
 def changes_from_json(text: str | bytes) -> list[Change]:
-    return [
-        Change(
-            int(c["seq"]),
-            c["kind"],
-            int(c["slot"]),
-            float(c["time"]),
-            c.get("detail", ""),
-            None if c.get("target") is None else int(c["target"]),
-        )
-        for c in json.loads(text)
-    ]
+    return [Change.from_dict(c) for c in json.loads(text)]
 
 
 def retired_slots(changes: list[Change]) -> set[int]:
@@ -576,7 +604,7 @@ class Decision:
             int(data["epoch"]),
             int(data["iteration"]),
             int(data["applied"]),
-            tuple(changes_from_json(json.dumps(data["changes"]))),
+            tuple(Change.from_dict(c) for c in data["changes"]),
             None if nxt is None else Membership.from_json(json.dumps(nxt)),
         )
 

@@ -399,7 +399,6 @@ class Harness:
         store = proto.connect(self.address, 0, timeout=60.0)
         store.set(proto.WORLD_SIZE, str(n))
         store.set(proto.epoch_key(0), Membership(0, tuple(range(n)), 0).to_json())
-        store.set(proto.PENDING, proto.changes_to_json([]))
         store.set(proto.CURRENT_EPOCH, "0")
         layout = NodeLayout(self.shape.nodes, self.shape.per_node, self.shape.lease_seconds)
         self.root = tempfile.mkdtemp(prefix="ds_recycle_scale_beats_")

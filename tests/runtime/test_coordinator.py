@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ds_recycle.runtime import protocol as proto
 from ds_recycle.runtime.beats import write_beat
-from ds_recycle.runtime.coordinator import Coordinator, HeartbeatPolicy, RankExit
+from ds_recycle.runtime.coordinator import Coordinator, HeartbeatPolicy, NodeLayout, RankExit
 from ds_recycle.runtime.node import KILL_CHECK_SECONDS, NodeLink
 from ds_recycle.runtime.protocol import KillOrder, Lease, Membership, Request
 
@@ -28,7 +28,7 @@ WORLD = 4
 
 
 class Harness:
-    def __init__(self, policy: HeartbeatPolicy) -> None:
+    def __init__(self, policy: HeartbeatPolicy, nodes: NodeLayout | None = None) -> None:
         self.server = dist.TCPStore(
             "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
         )
@@ -51,6 +51,7 @@ class Harness:
             policy=policy,
             events=lambda event, **fields: self.events.append({"event": event, **fields}),
             beats_dir=self.beats_dir,
+            nodes=nodes,
         )
         self.started = time.time()
         for slot in range(WORLD):
@@ -69,7 +70,7 @@ class Harness:
         self.store.set(proto.request_key(index), Request(kind, slot, token, pid, time.time(), target).to_json())
 
     def pending(self) -> list[proto.Change]:
-        return proto.changes_from_json(self.store.get(proto.PENDING)) if self.store.check([proto.PENDING]) else []
+        return proto.read_pending(self.store)
 
     def alerts(self) -> int:
         return int(self.store.add(proto.ALERT, 0))
@@ -313,6 +314,27 @@ def test_a_heartbeat_of_an_earlier_incarnation_does_not_count():
         line = h.wait_for_line("published failure of slot 1: no heartbeat")
         assert "after start" in line
         assert h.killed == [(1, 1)]
+    finally:
+        h.stop()
+
+
+def test_a_silent_node_is_failed_by_its_lease_as_a_whole_not_by_its_ranks_heartbeats():
+    """Node 1's agent relayed its ranks' beats, then went silent: its ranks' beats look ever older,
+    but they are judged at the lease's time; the lease lapses and fails both ranks in one change."""
+    h = Harness(HeartbeatPolicy(min_timeout=0.3, startup_timeout=60.0), NodeLayout(2, 2, 1.0))
+    try:
+        now = time.time()
+        beats = {slot: proto.Beat(now) for slot in (2, 3)}
+        h.store.set(proto.lease_key(1), Lease(1, now, beats).to_json())
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not h.pending():
+            for slot in (0, 1):
+                h.beat(slot, time.time())
+            time.sleep(0.05)
+        line = h.wait_for_line("published failure of node 1: slots [2, 3] in one change")
+        assert "lease of node 1 (incarnation 1) lapsed" in line, line
+        assert not [line for line in h.lines if "heartbeat stale" in line], h.lines
+        assert [(c.kind, c.slot) for c in h.pending()] == [(proto.FAILED, 2), (proto.FAILED, 3)]
     finally:
         h.stop()
 

@@ -46,7 +46,7 @@ def post(kind, slot, token):
 
 
 def pending():
-    return proto.changes_from_json(store.get(proto.PENDING))
+    return proto.read_pending(store)
 
 
 def wait_for(condition, what, timeout=60):

@@ -84,7 +84,7 @@ def hand_written_job():
         Change(4, proto.LEAVE, 2, now - 1),
         Change(5, proto.FAILED, 3, now - 0.5, "exited (code 1)"),
     ]
-    store.set(proto.PENDING, proto.changes_to_json(history))
+    proto.append_changes(store, 0, history, 8)
     proto.post_request(store, Request(proto.JOIN, 4, TOKEN, 4242, now - 2))
     plan = PlanCache().get_or_plan(4, 2, 4, ((0, 1), (1, 1), (2, 1)))
     gantt = tuple(
