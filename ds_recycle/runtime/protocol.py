@@ -332,12 +332,21 @@ class Membership:
     iteration: int
 
     def to_json(self) -> str:
-        return json.dumps({"epoch": self.epoch, "members": list(self.members), "iteration": self.iteration})
+        """The members as runs of consecutive slots (``[first, end)`` pairs): a job of thousands of
+        ranks with a few out is a few numbers, which every rank reads at every change."""
+        runs: list[list[int]] = []
+        for slot in sorted(self.members):
+            if runs and runs[-1][1] == slot:
+                runs[-1][1] = slot + 1
+            else:
+                runs.append([slot, slot + 1])
+        return json.dumps({"epoch": self.epoch, "runs": runs, "iteration": self.iteration}, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Membership:
         data = json.loads(text)
-        return cls(int(data["epoch"]), tuple(sorted(int(s) for s in data["members"])), int(data["iteration"]))
+        members = tuple(slot for first, end in data["runs"] for slot in range(int(first), int(end)))
+        return cls(int(data["epoch"]), tuple(sorted(members)), int(data["iteration"]))
 
 
 @dataclass(frozen=True)
