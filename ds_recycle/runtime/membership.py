@@ -174,7 +174,13 @@ class MembershipAgent:
         epoch = self.current.epoch
         known = self._known if self._known is not None else proto.read_pending(self.store)
         changes = tuple(known[self.applied :])
-        applied = max(self.applied, len(known))
+        # A member's failure is the survivors' to decide (every member's watcher raises its flag for
+        # it): a boundary takes the changes before it only. Taken here, it would be decided away
+        # under a member that has just been stopped by it, which could then not find it.
+        failed = [i for i, c in enumerate(changes) if c.kind == proto.FAILED and c.slot in self.current.members]
+        if failed:
+            changes = changes[: failed[0]]
+        applied = self.applied + len(changes)
         proposal = Decision(epoch, iteration, applied, changes, self._next(changes, iteration))
         value = self.store.compare_set(proto.decision_key(epoch, iteration), "", proposal.to_json())
         return self._take(Decision.from_json(value))
