@@ -412,8 +412,15 @@ class MembershipAgent:
             raise MembershipError(f"{proto.ENV_BEATS} is not set: start the ranks with ds-recycle launch")
 
         def beat():
+            failing = False
             while not self._stop.wait(HEARTBEAT_SECONDS):
-                self._beat(time.time())
+                try:
+                    self._beat(time.time())
+                    failing = False
+                except OSError as error:  # a missed beat, not the end of the heartbeat
+                    if not failing:
+                        logger.warning(f"ReCycle: slot {self.slot} could not write its heartbeat: {error}")
+                    failing = True
 
         self._beat(time.time())
         self._heartbeat = threading.Thread(target=beat, name="recycle-heartbeat", daemon=True)
