@@ -179,8 +179,8 @@ class Coordinator:
         """Each slot's last observed exit code (Popen's convention), here or on its node."""
         self.beats_dir = beats_dir
         self._leases: dict[int, Lease] = {}
-        self._membership: Membership | None = None
         """Every other node's last lease read (their ranks' beats come with it)."""
+        self._membership: Membership | None = None
         self._last_local_lease = 0.0
         self._dead_nodes: set[tuple[int, int]] = set()
         """(node, node incarnation) pairs whose lease lapsed: their reports are refused."""

@@ -211,7 +211,7 @@ class MembershipAgent:
             if alerts != looked_at:
                 looked_at = alerts
                 self._propose_recovery(epoch)
-            if _wait_for_key(self.store, proto.recovery_key(epoch), RECOVERY_SLICE_SECONDS):
+            if _wait_for_key(self.store, key, RECOVERY_SLICE_SECONDS):
                 break
             if time.monotonic() > deadline:
                 survivors = self._survivors(tuple(self._read_pending()[self.applied :]))
@@ -273,7 +273,9 @@ class MembershipAgent:
 
     def failure_among(self, slots: set[int], store: Store | None = None) -> bool:
         """Whether a failure not yet taken by a decision concerns one of ``slots``."""
-        pending = self._read_pending(store)
+        return self._failure_in(self._read_pending(store), slots)
+
+    def _failure_in(self, pending: list[Change], slots: set[int]) -> bool:
         return any(c.kind == proto.FAILED and c.slot in slots for c in pending[self.applied :])
 
     def _read_pending(self, store: Store | None = None) -> list[Change]:
@@ -286,9 +288,8 @@ class MembershipAgent:
         it concerns this rank: one of a member of this rank's epoch, of the latest decided one, or of
         a leaver the decision making the latest one took out (it died before it finished the
         iteration its leave closed). A joiner that died before it was admitted concerns nobody."""
-        pending = proto.read_pending(store, self._known)  # the new changes only
-        slots = concerned(self.current, proto.read_membership(store), store)
-        relevant = any(c.kind == proto.FAILED and c.slot in slots for c in pending[self.applied :])
+        pending = self._read_pending(store)
+        relevant = self._failure_in(pending, concerned(self.current, proto.read_membership(store), store))
         # Taken in last, just before the watcher raises its flag: a boundary that already holds a
         # failure in its proposal but passed its flag check would decide the failure away, and the
         # rank would then recover from a failure it no longer sees (and probe for it).
