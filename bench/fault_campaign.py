@@ -79,6 +79,7 @@ from ds_recycle.testing.jobs import (
     assert_final_states,
     assert_ledger_exact,
     final_states,
+    first_divergence,
     hold_degraded,
     job_config,
     killed_ledgers,
@@ -443,6 +444,9 @@ def check_job(job: Job, result: JobResult, reference: dict, steps: int) -> None:
         result.states_equal = True
     except AssertionError as exc:
         result.error = f"states differ from the fault-free run: {' '.join(str(exc).split())[:300]}"
+        where = first_divergence(finished, reference, TOLERANCE)
+        if where is not None:
+            result.error += f"; {where}"
     changes = [c for p in processes(job).values() for c in p["changes"]]
     try:
         ledgers = [record["ledger"] for record in records] + killed_ledgers(killed, changes, job.dp)

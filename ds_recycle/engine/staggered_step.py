@@ -72,7 +72,14 @@ import torch
 from deepspeed.runtime.pipe.module import TiedLayerSpec
 
 from ds_recycle.engine.routing import GRAD_NORM, LOSS, TIED_GRADIENT, TIED_WEIGHT, PeerChannel
-from ds_recycle.engine.undo import SnapshotUndo, StepUndo, undo_before_step, unsupported_reason
+from ds_recycle.engine.undo import (
+    SnapshotUndo,
+    StepUndo,
+    hyperparameters,
+    restore_hyperparameters,
+    undo_before_step,
+    unsupported_reason,
+)
 from ds_recycle.log import logger
 
 CLIP_EPSILON = 1e-6  # the epsilon of DeepSpeed's and torch's clip_grad_norm_
@@ -88,11 +95,12 @@ class TiedWeight:
 
 @dataclass
 class FinishedStep:
-    """What undoing the last finished iteration needs: its optimizer step and the LR scheduler state
-    before it stepped."""
+    """What undoing the last finished iteration needs: its optimizer step, and the LR scheduler's
+    state and the optimizer's hyperparameters before the scheduler stepped."""
 
     undo: StepUndo | SnapshotUndo | None
     lr_state: dict | None
+    groups: list[dict]
 
 
 @dataclass
@@ -205,12 +213,12 @@ class StageStepper:
         # once (LR step, undo record, then the engine's counters), so a recovery sees it either in
         # flight or done.
         self.channel.wait_sends()
-        lr_state = None
+        lr_state, groups = None, hyperparameters(engine.optimizer) if self.keep_undo else []
         if engine.lr_scheduler is not None:
             lr_state = engine.lr_scheduler.state_dict() if self.keep_undo else None
             engine.lr_scheduler.step()
         if self.keep_undo:
-            self.finished = FinishedStep(self.inflight, lr_state)
+            self.finished = FinishedStep(self.inflight, lr_state, groups)
             self.inflight = None
 
     # ---- rollback ------------------------------------------------------------------------------
@@ -235,6 +243,7 @@ class StageStepper:
             finished.undo.undo()
         if finished.lr_state is not None:
             engine.lr_scheduler.load_state_dict(finished.lr_state)
+        restore_hyperparameters(engine.optimizer, finished.groups)  # a scheduler's load leaves them
         self.finished = None
 
     def drop_pending(self) -> None:

@@ -39,15 +39,29 @@ def unsupported_reason(optimizer) -> str | None:
     return None
 
 
+def hyperparameters(optimizer) -> list[dict]:
+    """Every param group's settings but its parameters (learning rate, betas, momentum, ...): what
+    an LR scheduler changes between steps."""
+    return [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+
+
+def restore_hyperparameters(optimizer, saved: list[dict]) -> None:
+    for group, settings in zip(optimizer.param_groups, saved, strict=True):
+        group.update(settings)
+
+
 @dataclass
 class StepUndo:
-    """Made just before ``optimizer.step()``; ``undo()`` reverts that step."""
+    """Made just before ``optimizer.step()``; ``undo()`` reverts that step, with the hyperparameters
+    it was taken with (an LR scheduler may have changed the optimizer's since)."""
 
     optimizer: torch.optim.Optimizer
     grads: dict[torch.nn.Parameter, torch.Tensor]
     """The gradient each stepped parameter had at the step (kept, not shared)."""
     fresh: set[torch.nn.Parameter] = field(default_factory=set)
     """Parameters without optimizer state before the step: their state is dropped on undo."""
+    groups: list[dict] = field(default_factory=list)
+    """Each param group's hyperparameters at the step (:func:`hyperparameters`)."""
 
     @classmethod
     def before_step(cls, optimizer, grads: dict) -> StepUndo:
@@ -55,18 +69,18 @@ class StepUndo:
         if reason is not None:
             raise UndoUnsupported(reason)
         fresh = {p for p in grads if not optimizer.state.get(p)}
-        return cls(optimizer, grads, fresh)
+        return cls(optimizer, grads, fresh, hyperparameters(optimizer))
 
     @torch.no_grad()
     def undo(self) -> None:
         adam = isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW))
-        for group in self.optimizer.param_groups:
+        for group, used in zip(self.optimizer.param_groups, self.groups, strict=True):
             for p in group["params"]:
                 if p in self.grads:
                     if adam:
-                        self._undo_adam(p, group)
+                        self._undo_adam(p, used)
                     else:
-                        self._undo_sgd(p, group)
+                        self._undo_sgd(p, used)
 
     def _undo_adam(self, p, group) -> None:
         state = self.optimizer.state[p]

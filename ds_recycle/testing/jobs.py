@@ -346,6 +346,31 @@ def worst_parameter_difference(finished: dict[int, dict], reference: dict[int, d
     )
 
 
+def first_divergence(finished: dict[int, dict], reference: dict[int, dict], rtol: float) -> str | None:
+    """Where the finishing processes' parameters first left the fault-free run, from the per-iteration
+    parameter digests (``parameter_digest``): the earliest iteration, and every slot and parameter
+    that differs there; None if no digest differs beyond ``rtol`` (relative, at least 1e-6 absolute)."""
+    found: dict[int, list[str]] = {}
+    for s, record in finished.items():
+        want, names = reference.get(s, {}).get("digests", {}), list(record["params"])
+        for iteration, digest in sorted(record.get("digests", {}).items()):
+            expected = want.get(iteration)
+            if expected is None:
+                continue
+            off = [
+                f"slot {s} {name} ({got - value:+.3g})"
+                for name, got, value in zip(names, digest, expected, strict=True)
+                if abs(got - value) > max(rtol * abs(value), 1e-6)
+            ]
+            if off:
+                found.setdefault(iteration, []).extend(off)
+                break
+    if not found:
+        return None
+    iteration = min(found)
+    return f"first differs after iteration {iteration}: {', '.join(found[iteration][:6])}"
+
+
 def assert_final_states(
     job: Job, reference: dict[int, dict], steps: int, rtol: float = RTOL, atol: float = ATOL
 ) -> list[dict]:
@@ -358,11 +383,13 @@ def assert_final_states(
     worst = worst_parameter_difference(finished, reference)
     print(f"max |parameter - fault-free parameter| over {len(finished)} workers: {worst:.3g}")
     reference_losses = next(iter(reference.values()))["losses"]
+    where = first_divergence(finished, reference, rtol)
     for s, record in finished.items():
         want = reference[s]
         assert record["global_steps"] == steps
         for name, value in want["params"].items():
-            torch.testing.assert_close(record["params"][name], value, rtol=rtol, atol=atol, msg=f"slot {s} {name}")
+            message = f"slot {s} {name}" + ("" if where is None else f" ({where})")
+            torch.testing.assert_close(record["params"][name], value, rtol=rtol, atol=atol, msg=message)
         for index, state in want["optimizer"]["state"].items():
             for key, value in state.items():
                 got = record["optimizer"]["state"][index][key]

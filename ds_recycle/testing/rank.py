@@ -24,6 +24,10 @@ GENERATION_STRIDE = 1000
 """Records of a restarted job (generation g) are saved as incarnation 1000 g + i."""
 
 
+LR_DECAY = 0.02
+"""The testing job's learning rate at iteration i is lr / (1 + LR_DECAY i)."""
+
+
 def slot_and_incarnation() -> tuple[int, int]:
     """This rank's slot and its record incarnation (see GENERATION_STRIDE)."""
     incarnation = int(os.environ.get("DS_RECYCLE_INCARNATION", "0"))
@@ -53,8 +57,8 @@ def start_rank() -> None:
 
 def build_engine(pp: int, optimizer_name: str, config: dict, data: str = "provider") -> Any:
     """The job of every membership test: the tiny GPT on the deterministic provider (or a map-style
-    dataset of windows, the documented ``training_data`` contract), SGD with momentum or Adam,
-    through ``ds_recycle.initialize``; the engine records its F ledger."""
+    dataset of windows, the documented ``training_data`` contract), SGD with momentum or Adam and a
+    decaying learning rate, through ``ds_recycle.initialize``; the engine records its F ledger."""
     import torch
 
     import ds_recycle
@@ -69,10 +73,13 @@ def build_engine(pp: int, optimizer_name: str, config: dict, data: str = "provid
         optimizer = torch.optim.Adam(params, lr=1e-2, weight_decay=0.01)
     else:
         optimizer = torch.optim.SGD(params, lr=5e-2, momentum=0.9)
+    # A decaying LR, as most jobs have: every iteration steps with its own rate, so an undone
+    # finished iteration must restore the rate its step used.
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda iteration: 1.0 / (1.0 + LR_DECAY * iteration))
     provider = TokenWindowProvider(tokens, cfg.seq_len, config["train_micro_batch_size_per_gpu"], seed=0)
     training_data = provider if data == "provider" else WindowDataset(tokens, cfg.seq_len)
     engine, _, _, _ = ds_recycle.initialize(
-        model=model, optimizer=optimizer, config=config, training_data=training_data
+        model=model, optimizer=optimizer, config=config, training_data=training_data, lr_scheduler=schedule
     )
     engine.forward_ledger = []
     return engine
@@ -90,6 +97,12 @@ class WindowDataset:
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         window = self.tokens[index * self.stride : index * self.stride + self.seq_len + 1]
         return window[:-1].clone(), window[1:].clone()
+
+
+def parameter_digest(engine: Any) -> list[float]:
+    """The sum of every parameter in float64, in state-dict order: compared iteration by iteration
+    with a fault-free run, it shows where a job first went wrong."""
+    return [float(value.detach().double().sum()) for value in engine.module.state_dict().values()]
 
 
 def start_helpers(out: Path, slot: int, incarnation: int) -> Iterator:

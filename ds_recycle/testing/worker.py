@@ -91,6 +91,7 @@ def main() -> None:
     from ds_recycle.testing.faults import FaultPlan, Trap
     from ds_recycle.testing.rank import (
         build_engine,
+        parameter_digest,
         report_progress,
         save_atomically,
         slot_and_incarnation,
@@ -106,11 +107,13 @@ def main() -> None:
     joined_epoch = engine.grid.membership.epoch
     helpers = start_helpers(args.out, slot, incarnation) if args.helpers else None
     losses: dict[int, float] = {}
+    digests: dict[int, list[float]] = {}
     calls: list[dict] = []
 
     def snapshot() -> dict:
         changes = [{**vars(c), "plan": None if c.plan is None else vars(c.plan)} for c in engine.membership_changes]
         record = {"ledger": list(engine.forward_ledger), "losses": dict(losses), "changes": changes}
+        record["digests"] = dict(digests)
         record["joined_epoch"] = joined_epoch
         return {**record, "calls": list(calls), **timing} if args.timings else record
 
@@ -135,6 +138,7 @@ def main() -> None:
             # After a recovery the call may have re-run an earlier iteration: it returns the loss of
             # the iteration it finished last.
             losses[engine.global_steps - 1] = loss
+            digests[engine.global_steps] = parameter_digest(engine)
             if args.timings:
                 record_call(calls, engine, began)
             save()

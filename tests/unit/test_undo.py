@@ -36,9 +36,20 @@ def _step(optimizer, params, seed: int) -> dict:
     return grads
 
 
+def _schedule(optimizer) -> None:
+    """What an LR scheduler does after a step (OneCycle also cycles momentum or beta1)."""
+    for group in optimizer.param_groups:
+        group["lr"] *= 0.3
+        if group.get("momentum"):
+            group["momentum"] = 0.8
+        if "betas" in group:
+            group["betas"] = (0.85, group["betas"][1])
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("prior_steps", [0, 1, 5])
-def test_undo_restores_the_state_before_the_step(name, prior_steps):
+@pytest.mark.parametrize("scheduled", [False, True], ids=["", "scheduler-stepped"])
+def test_undo_restores_the_state_before_the_step(name, prior_steps, scheduled):
     params = _params(0)
     optimizer = OPTIMIZERS[name](params)
     for i in range(prior_steps):
@@ -53,6 +64,8 @@ def test_undo_restores_the_state_before_the_step(name, prior_steps):
         p.grad = g.clone()
     optimizer.step()
     after = {i: {k: v.abs().max().item() for k, v in st.items()} for i, st in optimizer.state_dict()["state"].items()}
+    if scheduled:
+        _schedule(optimizer)
     undo.undo()
 
     for got, want in zip(params, want_params, strict=True):
