@@ -179,9 +179,10 @@ class StageStepper:
         reduced = [None if p.grad is None else p.grad.detach().clone() for p in params]
         undo = self._undo_record(params, counted, dict(zip(params, reduced, strict=True)))
         self._pending = _PendingValidation(reduced, partial, undo)
-        self.inflight = undo if self.keep_undo else None
         self._send_partial_norm(partial)
         self._send_loss()
+        # In flight only from here: the loss all-reduce above can be interrupted before the step.
+        self.inflight = undo if self.keep_undo else None
         self._optimizer_step(params, followed)
 
     def _send_partial_norm(self, partial: float) -> None:

@@ -2,7 +2,8 @@
 sent from outside (by a test or a benchmark) lands exactly there while the rank's peers wait on it.
 
 Points: ``F``, ``B``, ``W`` (before the iteration's first instruction of that kind), ``allreduce``
-(before the data-parallel all-reduce), ``stepped`` (right after the stage's StaggeredStep),
+(before the data-parallel all-reduce), ``loss`` (the last stage: before its loss all-reduce, after
+the data-parallel one and before its optimizer step), ``stepped`` (right after the stage's StaggeredStep),
 ``recovery`` (when the rank's runtime enters ``Phase.RECOVERING``, at or after the iteration),
 ``building`` (when it enters ``Phase.BUILDING``: every member of the new epoch counted itself in,
 no group of it exists yet; at or after the iteration) and
@@ -18,7 +19,8 @@ command-line trap, or at a file trap marked ``stay``, stays parked when it is as
 parking and goes on to its boundary.
 
 Only the given engine instance is changed: the wrappers shadow its instruction map and its
-``allreduce_bucket`` and ``_save_checkpoint``, and a listener is added to its runtime's ``phase_listeners``.
+``allreduce_bucket``, ``aggregate_last_stage_loss`` and ``_save_checkpoint``, and a listener is
+added to its runtime's ``phase_listeners``.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-POINTS = ("F", "B", "W", "allreduce", "stepped", "recovery", "building", "checkpoint")
+POINTS = ("F", "B", "W", "allreduce", "loss", "stepped", "recovery", "building", "checkpoint")
 AT_OR_AFTER = ("recovery", "building")
 """Points armed from their iteration on (they happen only when the membership changes)."""
 PARK_SECONDS = 120.0
@@ -156,6 +158,14 @@ class FaultPlan:
                 return allreduce(*args, **kwargs)
 
             engine.allreduce_bucket = trapped_allreduce
+        if "loss" in points:
+            aggregate = engine.aggregate_last_stage_loss
+
+            def trapped_loss(*args, **kwargs):
+                self._check("loss")
+                return aggregate(*args, **kwargs)
+
+            engine.aggregate_last_stage_loss = trapped_loss
         if "checkpoint" in points:
             write = engine._save_checkpoint
 

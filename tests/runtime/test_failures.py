@@ -118,6 +118,26 @@ def test_a_killed_rank_is_survived_and_rejoins(tmp_path, tmp_path_factory, optim
     check(job, reference, len(traps))
 
 
+def test_a_last_stage_worker_killed_at_its_loss_all_reduce(tmp_path, tmp_path_factory):
+    """pp=2 x dp=2 with clipping: a last-stage worker killed after the data-parallel all-reduce, at
+    the loss all-reduce that precedes the stage's optimizer step. Its replica waits there when the
+    failure is announced: it has not stepped, so there is nothing to undo (an undo of the step it
+    was about to take moved its parameters by a step; found by bench/fault_campaign.py)."""
+    pp, dp = 2, 2
+    reference = fault_free(tmp_path_factory, pp, dp, STEPS, "sgd")
+    victim = slot(dp, 1, 1)
+    job = Job(tmp_path, pp, dp, STEPS, job_config(), "sgd", traps=[f"{victim}:loss:3"])
+    job.start()
+    try:
+        run_faults(job, [([victim], signal.SIGKILL)])
+    except BaseException:
+        job.kill()
+        raise
+    survivor = (tmp_path / "logs" / f"rank{slot(dp, 0, 1)}.log").read_text()
+    assert re.search(r"slot \d+ stopped by a failure at iteration 3: .*the loss all-reduce", survivor), survivor[-3000:]
+    check(job, reference, 1)
+
+
 def test_d_minus_one_workers_of_a_stage_and_a_second_failure_during_recovery(tmp_path, tmp_path_factory):
     """pp=2 x dp=3: two of the three stage-1 workers killed in one iteration (during F and during B);
     then a stage-0 worker killed, and a second stage-0 worker hung (SIGSTOP) while the survivors
