@@ -14,9 +14,14 @@ iterations that sleep) in worker processes; every store client counts its operat
 - healthy ranks declared failed (a saturated store delays heartbeats and leases).
 
 - with ``--capacity``, first: the store server's saturation point (2 processes x 32 clients sending
-  small operations back to back), with the libuv backend and the classic one.
+  small operations back to back), with the libuv backend and the classic one;
+- with ``--rebuild P:D ...``, first: the cost of one epoch's process groups on P x D real gloo ranks
+  (``ds_recycle.testing.rebuild``): one rank ends, the others build the next world, connect it and
+  run a stage all-reduce, as a recovery does; every store operation (gloo's own included) is
+  counted. Then the same arithmetic at 16,384 ranks, against the store's capacity.
 
-    python bench/control_plane.py [--ranks 256 1024 4096 16384] [--workers 8] [--window 5] [--capacity] [--smoke]
+    python bench/control_plane.py [--ranks 256 1024 4096 16384] [--workers 8] [--window 5] [--capacity]
+        [--rebuild 4:2 4:4 4:8 4:16 2:16 8:4] [--smoke]
 
 The last line: ``control plane at N ranks: process death -> X ms, node loss -> Y ms, steady load Z
 ops/s per node`` for the largest N run.
@@ -29,6 +34,7 @@ import statistics
 import sys
 import time
 
+from ds_recycle.testing.rebuild import RebuildCost, measure_rebuild
 from ds_recycle.testing.scale import Harness, Shape, count_store_operations, store_capacity
 
 PER_NODE = 8
@@ -119,6 +125,40 @@ def _fmt(pair) -> str:
     return text + (f" ({pair[2]})" if len(pair) > 2 else "")
 
 
+def _grid(text: str) -> tuple[int, int]:
+    pp, sep, dp = text.partition(":")
+    if not sep or not pp.isdigit() or not dp.isdigit() or int(pp) < 1 or int(dp) < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected P:D with P >= 1 and D >= 2, e.g. 4:8")
+    return int(pp), int(dp)
+
+
+def rebuild_rows(grids: list[tuple[int, int]], capacity: float | None) -> None:
+    """One epoch's groups on real gloo ranks, and the same per-rank cost at 16,384 ranks."""
+    header = f"{'P x D':>7} {'ranks':>5} {'ops/rank':>8} {'max':>5} {'total ops':>9} {'slowest ms':>10}"
+    print(f"{header}  by kind (all survivors)")
+    costs: list[RebuildCost] = []
+    for pp, dp in grids:
+        cost = measure_rebuild(pp, dp)
+        costs.append(cost)
+        kinds = " ".join(f"{k} {v}" for k, v in cost.by_kind.items())
+        print(
+            f"{f'{pp} x {dp}':>7} {cost.ranks:>5} {cost.ops_per_rank:>8.1f} {cost.ops_max:>5} {cost.total_ops:>9} "
+            f"{cost.seconds_max * 1e3:>10.0f}  {kinds}",
+            flush=True,
+        )
+    if len(costs) < 2:
+        return
+    # per-rank operations against the world's size: a straight line (each rank reads every peer's address)
+    xs, ys = [c.ranks - 1 for c in costs], [c.ops_per_rank for c in costs]
+    slope, intercept = statistics.linear_regression(xs, ys)
+    at = 16384
+    total = at * (slope * (at - 1) + intercept)
+    line = f"rebuild per rank ~ {slope:.2f} x (N - 1) + {intercept:.1f} store ops; at {at} ranks: {total:.3g} per epoch"
+    if capacity:
+        line += f", {total / capacity:.0f} s of the store at {capacity:.0f} ops/s"
+    print(line, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[256, 1024, 4096, 16384])
@@ -130,15 +170,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--capacity", action="store_true", help="first, the store server's saturation point, libuv and not"
     )
+    parser.add_argument(
+        "--rebuild",
+        type=_grid,
+        nargs="+",
+        default=[],
+        metavar="P:D",
+        help="first, one epoch's process groups on P x D real gloo ranks",
+    )
     args = parser.parse_args(argv)
     if args.smoke:
-        args.ranks, args.workers, args.window = [24], 1, 1.0
+        args.ranks, args.workers, args.window, args.rebuild = [24], 1, 1.0, [(2, 2), (2, 3)]
     if any(n % PER_NODE or n < 3 * PER_NODE for n in args.ranks):
         parser.error(f"--ranks: each N must be a multiple of {PER_NODE}, at least {3 * PER_NODE}")
+    capacity = None
     if args.capacity:
         for use_libuv in (True, False):
             rate = store_capacity(use_libuv)
+            capacity = capacity or rate
             print(f"store capacity ({'libuv' if use_libuv else 'classic'} backend, 2 x 32 clients): {rate:.0f} ops/s")
+    if args.rebuild:
+        rebuild_rows(args.rebuild, capacity)
     count_store_operations()
     print(
         f"{'ranks':>6} {'nodes':>5} {'start s':>7} {'ops/s':>9} {'per node':>8} {'coord':>7} {'boundary ms':>12} "
