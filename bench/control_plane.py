@@ -18,7 +18,9 @@ iterations that sleep) in worker processes; every store client counts its operat
 - with ``--rebuild P:D ...``, first: the cost of one epoch's process groups on P x D real gloo ranks
   (``ds_recycle.testing.rebuild``): one rank ends, the others build the next world, connect it and
   run a stage all-reduce, as a recovery does; every store operation (gloo's own included) is
-  counted. Then the same arithmetic at 16,384 ranks, against the store's capacity.
+  counted. Each grid twice: connected all to all, as the runtime does, and, for comparison, only
+  the pairs a plan uses (what rebuilding only what failed would need). Then the same arithmetic at
+  16,384 ranks, against the store's capacity.
 
     python bench/control_plane.py [--ranks 256 1024 4096 16384] [--workers 8] [--window 5] [--capacity]
         [--rebuild 4:2 4:4 4:8 4:16 2:16 8:4] [--smoke]
@@ -34,7 +36,7 @@ import statistics
 import sys
 import time
 
-from ds_recycle.testing.rebuild import RebuildCost, measure_rebuild
+from ds_recycle.testing.rebuild import CONNECTS, RebuildCost, measure_rebuild
 from ds_recycle.testing.scale import Harness, Shape, count_store_operations, store_capacity
 
 PER_NODE = 8
@@ -133,30 +135,33 @@ def _grid(text: str) -> tuple[int, int]:
 
 
 def rebuild_rows(grids: list[tuple[int, int]], capacity: float | None) -> None:
-    """One epoch's groups on real gloo ranks, and the same per-rank cost at 16,384 ranks."""
-    header = f"{'P x D':>7} {'ranks':>5} {'ops/rank':>8} {'max':>5} {'total ops':>9} {'slowest ms':>10}"
+    """One epoch's groups on real gloo ranks, connected as the runtime does (every pair) and, for
+    comparison, only the pairs a plan uses; then the same per-rank costs at 16,384 ranks."""
+    header = f"{'P x D':>7} {'ranks':>5} {'connect':>7} {'ops/rank':>8} {'max':>5} {'total ops':>9} {'slowest ms':>10}"
     print(f"{header}  by kind (all survivors)")
-    costs: list[RebuildCost] = []
+    costs: dict[str, list[RebuildCost]] = {connect: [] for connect in CONNECTS}
     for pp, dp in grids:
-        cost = measure_rebuild(pp, dp)
-        costs.append(cost)
-        kinds = " ".join(f"{k} {v}" for k, v in cost.by_kind.items())
-        print(
-            f"{f'{pp} x {dp}':>7} {cost.ranks:>5} {cost.ops_per_rank:>8.1f} {cost.ops_max:>5} {cost.total_ops:>9} "
-            f"{cost.seconds_max * 1e3:>10.0f}  {kinds}",
-            flush=True,
-        )
-    if len(costs) < 2:
-        return
-    # per-rank operations against the world's size: a straight line (each rank reads every peer's address)
-    xs, ys = [c.ranks - 1 for c in costs], [c.ops_per_rank for c in costs]
-    slope, intercept = statistics.linear_regression(xs, ys)
+        for connect in CONNECTS:
+            cost = measure_rebuild(pp, dp, connect)
+            costs[connect].append(cost)
+            kinds = " ".join(f"{k} {v}" for k, v in cost.by_kind.items())
+            print(
+                f"{f'{pp} x {dp}':>7} {cost.ranks:>5} {connect:>7} {cost.ops_per_rank:>8.1f} {cost.ops_max:>5} "
+                f"{cost.total_ops:>9} {cost.seconds_max * 1e3:>10.0f}  {kinds}",
+                flush=True,
+            )
     at = 16384
-    total = at * (slope * (at - 1) + intercept)
-    line = f"rebuild per rank ~ {slope:.2f} x (N - 1) + {intercept:.1f} store ops; at {at} ranks: {total:.3g} per epoch"
-    if capacity:
-        line += f", {total / capacity:.0f} s of the store at {capacity:.0f} ops/s"
-    print(line, flush=True)
+    for connect, rows in costs.items():
+        if len({c.ranks for c in rows}) < 2:
+            continue
+        # per-rank operations against the world's size (every pair: each rank reads every peer's address)
+        slope, intercept = statistics.linear_regression([c.ranks - 1 for c in rows], [c.ops_per_rank for c in rows])
+        total = at * (slope * (at - 1) + intercept)
+        line = f"rebuild ({connect}) per rank ~ {slope:.2f} x (N - 1) + {intercept:.1f} store ops"
+        line += f"; at {at} ranks: {total:.3g} per epoch"
+        if capacity:
+            line += f", {total / capacity:.1f} s of the store at {capacity:.0f} ops/s"
+        print(line, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,11 @@ and connect it, one process ends, and the others build epoch 2 without it exactl
 does, then run one all-reduce on their stage's group. Every store operation of the world, gloo's
 own included, goes through :class:`CountedStore`, a ``torch.distributed.Store`` that counts what
 it passes to the job's TCPStore; the harness reports the operations and wall time of epoch 2.
+
+``connect="plan"`` measures, for comparison, what the runtime does not do yet: epoch 2's world
+without the all-to-all that connects every pair, each survivor connecting only the peers a plan
+makes it exchange with (its pipeline neighbours, and for the neighbour of the lost worker, every
+replica that takes over the lost worker's micro-batches), one small send and receive per pair.
 """
 
 from __future__ import annotations
@@ -85,10 +90,14 @@ class CountedClones:
         return self.made[-1]
 
 
+CONNECTS = ("all", "plan")
+
+
 @dataclass(frozen=True)
 class RebuildCost:
     pp: int
     dp: int
+    connect: str
     ops_per_rank: float
     """Mean store operations per surviving rank to build and connect epoch 2."""
     ops_max: int
@@ -111,7 +120,24 @@ def _barrier(store: dist.Store, name: str, count: int) -> None:
         time.sleep(0.01)
 
 
-def _rank(slot: int, pp: int, dp: int, port: int, results: mp.Queue) -> None:
+def plan_peers(slot: int, pp: int, dp: int, victim: int) -> list[int]:
+    """The slots ``slot`` exchanges activations or gradients with once ``victim`` is gone (slot =
+    stage * D + pipeline, DeepSpeed's pipe-data topology): its live pipeline neighbours; the
+    victim's pipeline neighbours also talk to every live replica of the victim's stage."""
+    pairs: set[frozenset[int]] = set()
+    for pipeline in range(dp):
+        for stage in range(pp - 1):
+            pairs.add(frozenset((stage * dp + pipeline, (stage + 1) * dp + pipeline)))
+    lost_pipeline, lost_stage = victim % dp, victim // dp
+    for stage in (lost_stage - 1, lost_stage + 1):
+        if 0 <= stage < pp:
+            for pipeline in range(dp):
+                if pipeline != lost_pipeline:
+                    pairs.add(frozenset((stage * dp + lost_pipeline, lost_stage * dp + pipeline)))
+    return sorted(other for pair in pairs if slot in pair and victim not in pair for other in pair - {slot})
+
+
+def _rank(slot: int, pp: int, dp: int, port: int, connect: str, results: mp.Queue) -> None:
     os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     import torch
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
@@ -125,19 +151,27 @@ def _rank(slot: int, pp: int, dp: int, port: int, results: mp.Queue) -> None:
     topo = PipeDataParallelTopology(num_pp=pp, num_dp=dp)
     everyone, victim = tuple(range(pp * dp)), pp * dp - 1
 
-    def build(membership: Membership) -> None:
+    def build(membership: Membership, connect: str) -> None:
         rebuild_world(store, membership, slot, TIMEOUT_SECONDS)
-        connect_all_pairs().wait()
+        if connect == "all":
+            connect_all_pairs().wait()
+        else:
+            rank = membership.members.index
+            ops = []
+            for peer in plan_peers(slot, pp, dp, victim):
+                ops += [dist.isend(torch.ones(1), rank(peer)), dist.irecv(torch.empty(1), rank(peer))]
+            for op in ops:
+                op.wait()
         grid = RecycleGrid.build(topo, membership, slot, TIMEOUT_SECONDS)
         dist.all_reduce(torch.ones(1), group=grid.stage_groups[grid.worker[1]])
 
-    build(Membership(1, everyone, 0))
+    build(Membership(1, everyone, 0), "all")
     _barrier(root, "built/1", len(everyone))
     if slot == victim:
         _report(results, None)
     counts.clear()
     began = time.monotonic()
-    build(Membership(2, everyone[:-1], 1))
+    build(Membership(2, everyone[:-1], 1), connect)
     elapsed = time.monotonic() - began
     _barrier(root, "built/2", len(everyone) - 1)
     _report(results, (elapsed, dict(counts)))
@@ -151,12 +185,15 @@ def _report(results: mp.Queue, row: tuple | None) -> None:
     os._exit(0)
 
 
-def measure_rebuild(pp: int, dp: int) -> RebuildCost:
-    """Epoch 2's store operations and time on P x D real gloo ranks, one of them gone."""
+def measure_rebuild(pp: int, dp: int, connect: str = "all") -> RebuildCost:
+    """Epoch 2's store operations and time on P x D real gloo ranks, one of them gone; ``connect``:
+    every pair (what the runtime does) or only the pairs a plan uses (see the module doc)."""
+    if connect not in CONNECTS:
+        raise ValueError(f"connect must be one of {CONNECTS}, got {connect!r}")
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(s, pp, dp, server.port, results)) for s in range(pp * dp)]
+    procs = [ctx.Process(target=_rank, args=(s, pp, dp, server.port, connect, results)) for s in range(pp * dp)]
     for proc in procs:
         proc.start()
     try:
@@ -172,5 +209,12 @@ def measure_rebuild(pp: int, dp: int) -> RebuildCost:
     for _, counts in survivors:
         by_kind.update(counts)
     return RebuildCost(
-        pp, dp, statistics.mean(ops), max(ops), sum(ops), max(s for s, _ in survivors), dict(sorted(by_kind.items()))
+        pp,
+        dp,
+        connect,
+        statistics.mean(ops),
+        max(ops),
+        sum(ops),
+        max(s for s, _ in survivors),
+        dict(sorted(by_kind.items())),
     )
