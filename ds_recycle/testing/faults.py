@@ -128,13 +128,6 @@ class FaultPlan:
 
         engine = self.engine
 
-        def before(point: str, run: Callable) -> Callable:
-            def trapped(owner, *args, **kwargs):
-                self._check(point)
-                return run(owner, *args, **kwargs)
-
-            return trapped
-
         def after(point: str, run: Callable) -> Callable:
             def trapped(owner, *args, **kwargs):
                 result = run(owner, *args, **kwargs)
@@ -146,39 +139,32 @@ class FaultPlan:
         table = dict(engine._INSTRUCTION_MAP)
         for point, kind in (("F", ForwardPass), ("B", BackwardInput), ("W", BackwardWeight)):
             if point in points:
-                table[kind] = before(point, table[kind])
+                table[kind] = self._checked_first(point, table[kind])
         if "stepped" in points:
             table[StaggeredStep] = after("stepped", table[StaggeredStep])
         engine._INSTRUCTION_MAP = table
-        if "allreduce" in points:
-            allreduce = engine.allreduce_bucket
-
-            def trapped_allreduce(*args, **kwargs):
-                self._check("allreduce")
-                return allreduce(*args, **kwargs)
-
-            engine.allreduce_bucket = trapped_allreduce
-        if "loss" in points:
-            aggregate = engine.aggregate_last_stage_loss
-
-            def trapped_loss(*args, **kwargs):
-                self._check("loss")
-                return aggregate(*args, **kwargs)
-
-            engine.aggregate_last_stage_loss = trapped_loss
-        if "checkpoint" in points:
-            write = engine._save_checkpoint
-
-            def trapped_write(*args, **kwargs):
-                self._check("checkpoint")
-                return write(*args, **kwargs)
-
-            engine._save_checkpoint = trapped_write
+        for point, method in (
+            ("allreduce", "allreduce_bucket"),
+            ("loss", "aggregate_last_stage_loss"),
+            ("checkpoint", "_save_checkpoint"),
+        ):
+            if point in points:
+                setattr(engine, method, self._checked_first(point, getattr(engine, method)))
         for point, phase in (("recovery", Phase.RECOVERING), ("building", Phase.BUILDING)):
             if point in points:
                 engine.runtime.phase_listeners.append(
                     lambda entered, point=point, phase=phase: self._check(point) if entered is phase else None
                 )
+
+    def _checked_first(self, point: str, run: Callable) -> Callable:
+        """``run`` (an instruction's function or an engine's bound method), after the trap check of
+        ``point``."""
+
+        def trapped(*args, **kwargs):
+            self._check(point)
+            return run(*args, **kwargs)
+
+        return trapped
 
 
 def _leave_requested() -> bool:

@@ -28,51 +28,26 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from ds_recycle.runtime.protocol import Membership
+from ds_recycle.testing.scale import COUNTS, CountingStore
 
 TIMEOUT_SECONDS = 300.0
 
 
-class CountedStore(dist.Store):
-    """A store that counts every operation it passes on (gloo's C++ calls it too)."""
+class CountedStore(CountingStore, dist.Store):
+    """The scale harness's counting client as a ``torch.distributed.Store``, so that gloo's C++
+    calls go through it too (counted into :data:`~ds_recycle.testing.scale.COUNTS`)."""
 
-    def __init__(self, inner: dist.Store, counts: collections.Counter) -> None:
-        super().__init__()
-        self.inner, self.counts = inner, counts
+    def __init__(self, inner: dist.Store) -> None:
+        dist.Store.__init__(self)
+        CountingStore.__init__(self, inner)
 
-    def set(self, key, value):
-        self.counts["set"] += 1
-        self.inner.set(key, value)
+    def num_keys(self) -> int:
+        value = self._store.num_keys()
+        self._count("num_keys")
+        return value
 
-    def get(self, key):
-        self.counts["get"] += 1
-        return self.inner.get(key)
-
-    def add(self, key, amount):
-        self.counts["add"] += 1
-        return self.inner.add(key, amount)
-
-    def compare_set(self, key, expected, desired):
-        self.counts["compare_set"] += 1
-        return self.inner.compare_set(key, expected, desired)
-
-    def wait(self, keys, timeout=None):
-        self.counts["wait"] += 1
-        return self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
-
-    def check(self, keys):
-        self.counts["check"] += 1
-        return self.inner.check(keys)
-
-    def delete_key(self, key):
-        self.counts["delete_key"] += 1
-        return self.inner.delete_key(key)
-
-    def num_keys(self):
-        self.counts["num_keys"] += 1
-        return self.inner.num_keys()
-
-    def set_timeout(self, timeout):
-        self.inner.set_timeout(timeout)
+    def set_timeout(self, timeout) -> None:
+        self._store.set_timeout(timeout)
 
 
 @dataclass
@@ -82,11 +57,10 @@ class CountedClones:
     methods (torch then raises "Not implemented")."""
 
     root: dist.Store
-    counts: collections.Counter
     made: list = field(default_factory=list)
 
     def clone(self) -> CountedStore:
-        self.made.append(CountedStore(self.root.clone(), self.counts))
+        self.made.append(CountedStore(self.root.clone()))
         return self.made[-1]
 
 
@@ -144,10 +118,9 @@ def _rank(slot: int, pp: int, dp: int, port: int, connect: str, results: mp.Queu
 
     from ds_recycle.runtime.groups import RecycleGrid, connect_all_pairs, rebuild_world
 
-    counts: collections.Counter = collections.Counter()
     timeout = datetime.timedelta(seconds=TIMEOUT_SECONDS)
     root = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout, wait_for_workers=False)
-    store = CountedClones(root, counts)
+    store = CountedClones(root)
     topo = PipeDataParallelTopology(num_pp=pp, num_dp=dp)
     everyone, victim = tuple(range(pp * dp)), pp * dp - 1
 
@@ -169,12 +142,12 @@ def _rank(slot: int, pp: int, dp: int, port: int, connect: str, results: mp.Queu
     _barrier(root, "built/1", len(everyone))
     if slot == victim:
         _report(results, None)
-    counts.clear()
+    COUNTS.clear()
     began = time.monotonic()
     build(Membership(2, everyone[:-1], 1), connect)
     elapsed = time.monotonic() - began
     _barrier(root, "built/2", len(everyone) - 1)
-    _report(results, (elapsed, dict(counts)))
+    _report(results, (elapsed, {op: n for op, n in COUNTS.items() if op != "bytes_read"}))
 
 
 def _report(results: mp.Queue, row: tuple | None) -> None:
