@@ -29,7 +29,7 @@ pytestmark = pytest.mark.multiprocess
 
 PP, DP, STEPS = 2, 3, 16
 KILLED = [4, 5]
-MOVER, TARGET = 1, 4
+MOVER = 1
 
 
 def start(tmp_path) -> Job:
@@ -54,38 +54,41 @@ def check_against_fault_free(job: Job, reference: dict[int, dict], finishing: li
     assert_every_microbatch_once(job, records, STEPS)
 
 
-def kill_two_of_stage_one(job: Job) -> int:
+def kill_two_of_stage_one(job: Job) -> tuple[int, int]:
     """SIGKILL slots 4 and 5 at their first F of iteration 2, hold the job once the move is decided
-    and the mover's device starts as slot 4; returns the iteration the survivors were held at."""
+    and the mover's device starts as the retired slot it moves into; returns the iteration the
+    survivors were held at, and that slot. (Either killed slot is a right target: the lowest member
+    proposes into a slot retired when it looks, and the two retirements race.)"""
     for s in KILLED:
         job.signal_when_trapped(s)
     for s in KILLED:
         job.wait_for_event("retired", slot=s)
-    job.wait_for_event("accepted", kind=proto.MOVE, slot=MOVER, target=TARGET)
-    moved = job.wait_for_event("moved", slot=MOVER, target=TARGET)
+    target = job.wait_for_event("accepted", kind=proto.MOVE, slot=MOVER)["target"]
+    assert target in KILLED, f"moved into slot {target}, which was not retired"
+    moved = job.wait_for_event("moved", slot=MOVER, target=target)
     assert moved["local_rank"] == MOVER
     held = max(job.progress(s) for s in (0, 2, 3))
     job.hold(held)
-    return held
+    return held, target
 
 
 def test_two_workers_of_one_stage_lost_a_survivor_moves_and_training_equals_fault_free(tmp_path, tmp_path_factory):
     reference = fault_free(tmp_path_factory, PP, DP, STEPS, "adam")
     job = start(tmp_path)
     try:
-        held = kill_two_of_stage_one(job)
-        job.wait_for_event("accepted", kind=proto.JOIN, slot=TARGET)
+        held, target = kill_two_of_stage_one(job)
+        job.wait_for_event("accepted", kind=proto.JOIN, slot=target)
         job.hold(None)
-        job.wait_until(lambda: job.progress(TARGET) > held, "the mover's device to train as slot 4")
+        job.wait_until(lambda: job.progress(target) > held, f"the mover's device to train as slot {target}")
         assert job.finish() == 0, job.log_tail()
     except BaseException:
         job.kill()
         raise
-    assert job.count_in_rank_logs(rf"proposes to move worker \(1, 0\) \(slot {MOVER}\) into retired slot {TARGET}") == 1
-    assert job.count_in_rank_logs(rf"slot {MOVER} .* left the job .* re-joins as slot {TARGET}") == 1
-    assert job.count(rf"rank {MOVER} moved: rank {TARGET} starts on its device \(local rank {MOVER}\)") == 1
+    assert job.count_in_rank_logs(rf"proposes to move worker \(1, 0\) \(slot {MOVER}\) into retired slot {target}") == 1
+    assert job.count_in_rank_logs(rf"slot {MOVER} .* left the job .* re-joins as slot {target}") == 1
+    assert job.count(rf"rank {MOVER} moved: rank {target} starts on its device \(local rank {MOVER}\)") == 1
     assert job.count_events("started", slot=MOVER) == 1  # the mover's slot is not respawned
-    check_against_fault_free(job, reference, finishing=[0, 2, 3, TARGET])
+    check_against_fault_free(job, reference, finishing=[0, 2, 3, target])
 
 
 def test_a_move_whose_new_process_dies_before_it_joined_is_recovered(tmp_path, tmp_path_factory):
@@ -95,10 +98,10 @@ def test_a_move_whose_new_process_dies_before_it_joined_is_recovered(tmp_path, t
     reference = fault_free(tmp_path_factory, PP, DP, STEPS, "adam")
     job = start(tmp_path)
     try:
-        kill_two_of_stage_one(job)
-        started = job.wait_for_event("started", slot=TARGET, incarnation=1)
+        _, target = kill_two_of_stage_one(job)
+        started = job.wait_for_event("started", slot=target, incarnation=1)
         os.kill(started["pid"], signal.SIGKILL)
-        job.wait_for_event("retired", 2, slot=TARGET)
+        job.wait_for_event("retired", 2, slot=target)
         job.hold(None)
         assert job.finish() == 0, job.log_tail()
     except BaseException:
