@@ -117,6 +117,7 @@ def plan_peers(slot: int, pp: int, dp: int, victim: int) -> list[int]:
 
 def _rank(slot: int, pp: int, dp: int, port: int, connect: str, results: mp.Queue) -> None:
     os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # the engine's modules import DeepSpeed
     import torch
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
