@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export DS_ACCELERATOR=cpu
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}"  # see bootstrap.sh
-pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider)
+pytest=(.venv/bin/python -m pytest -q -rs -p no:cacheprovider)  # -rs: say why a test was skipped
 if [ "$#" -gt 0 ]; then
   exec "${pytest[@]}" "$@"
 fi

@@ -249,7 +249,38 @@ def _warm_deepspeed() -> None:
         return
     builder = accelerator.create_op_builder("ShareMemCommBuilder")
     if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        check_build_lock(builder.name)
         builder.load()
+
+
+STALE_LOCK_SECONDS = 120.0
+"""An op build lock older than this is left from a killed build (this op builds in well under it)."""
+
+
+class StaleBuildLock(RuntimeError):
+    """A killed build left torch's extension lock behind; every later build would wait for it forever."""
+
+
+def check_build_lock(name: str, stale_after: float = STALE_LOCK_SECONDS) -> None:
+    """Wait while another process builds extension ``name``; raise StaleBuildLock if its lock is
+    older than ``stale_after`` seconds. torch's build lock is a file that a build removes when it
+    ends: one killed mid-build leaves it, and torch then waits for it with no bound (seen here:
+    every later launch sat in the preloader's start)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > stale_after:
+            raise StaleBuildLock(
+                f"the build lock {lock} of DeepSpeed's op {name!r} is {age:.0f} s old: a build that was killed "
+                "left it, and every build of the op waits for it without end. Remove it if no build of the op is "
+                "running"
+            )
+        time.sleep(1.0)
 
 
 def die_with_parent() -> None:
@@ -279,7 +310,11 @@ def main() -> None:
         os.write(replies, f"importing {module!r} failed: {error!r}\n".encode())
         raise SystemExit(1) from None
     if "deepspeed" in sys.modules:
-        _warm_deepspeed()
+        try:
+            _warm_deepspeed()
+        except StaleBuildLock as error:
+            os.write(replies, f"{error}\n".encode())
+            raise SystemExit(1) from None
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         os.write(replies, b"the preloaded modules initialized CUDA, which a forked rank cannot use\n")

@@ -201,3 +201,22 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+def test_a_stale_op_build_lock_is_named_instead_of_waited_for(tmp_path):
+    """A build of DeepSpeed's shared-memory op killed midway leaves torch's lock file, which every
+    later build waits for without end: the preloader names it and the agent starts ranks with exec."""
+    extensions = tmp_path / "extensions"
+    lock = extensions / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    hour_ago = time.time() - 3600
+    os.utime(lock, (hour_ago, hour_ago))
+    code, output = finish(
+        launch(tmp_path, "print('ran')\n", 2, "--preload", env={"TORCH_EXTENSIONS_DIR": str(extensions)})
+    )
+    assert code == 0, output
+    assert f"the preloader did not start: the build lock {lock} of DeepSpeed's op 'deepspeed_shm_comm' is 36" in output
+    assert "Remove it if no build of the op is running" in output, output
+    assert lock.exists(), "the lock is named, not removed"
+    assert all("ran" in (tmp_path / "logs" / f"rank{r}.log").read_text() for r in range(2))
