@@ -23,18 +23,22 @@ thread that posts it, and waits there, beyond the reach of the failure flag, for
 or hangs. So the first message to or from each peer is posted from a thread of its own while the
 rank waits for it failure-aware (:meth:`Waiter.blocking`); the pair's later messages are posted in
 order after it, in the rank's thread. An epoch thus costs each rank a few store operations per
-peer it exchanges with, not one per rank of the world (docs/runtime.md, "What a fresh world costs"). Both sides number
-the messages of each directed pair from 0. A *header* (int64: kind, home, mb, the message's number,
-then the tensors' count, dtypes and shapes) goes right before the first activation on each directed
-pair: the receiver takes the activation shapes from it and checks that the message is the one it
-expects. With ``DS_RECYCLE_P2P_CHECK=1`` in every rank's environment a header goes before every
-message and the receiver checks each one (kind, micro-batch, number, dtypes and shapes): one small
-extra message per transfer, to debug an order. ``kind``, ``home`` and ``mb`` never reach torch.
+peer it exchanges with, not one per rank of the world (docs/runtime.md, "What a fresh world
+costs").
+
+Both sides number the messages of each directed pair from 0. A *header* (int64: kind, home, mb,
+the message's number, then the tensors' count, dtypes and shapes) goes right before the first
+activation on each directed pair: the receiver takes the activation shapes from it and checks that
+the message is the one it expects. With ``DS_RECYCLE_P2P_CHECK=1`` in every rank's environment a
+header goes before every message and the receiver checks each one (kind, micro-batch, number,
+dtypes and shapes): one small extra message per transfer, to debug an order. ``kind``, ``home``
+and ``mb`` never reach torch.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -174,7 +178,7 @@ class PeerChannel:
             raise PeerFailure(f"sending to rank {dst}: {error}") from error
         self.pending_sends.append((work, tensor))
 
-    def _post(self, op, tensor: torch.Tensor, rank: int):
+    def _post(self, op: Callable[[torch.Tensor, int], dist.Work], tensor: torch.Tensor, rank: int) -> dist.Work:
         """``op`` (``dist.isend`` or ``dist.irecv``) of ``tensor`` with ``rank``; the first with a
         rank connects their pair (see the module doc)."""
         if rank in self._connected:
