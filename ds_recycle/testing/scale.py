@@ -130,7 +130,8 @@ class EmulatedRank:
     shape: Shape
     t0: float
     records: list
-    """(kind, slot, epoch or iteration, since, at, bytes read) tuples, appended by the rank's thread."""
+    """(kind, slot, epoch or iteration, since, at, bytes read) tuples, appended by the rank's thread;
+    a boundary's and a recovery's also end with the store operations the rank made for it."""
     stop: threading.Event = field(default_factory=threading.Event)
     connected: threading.Event = field(default_factory=threading.Event)
     watcher: FailureWatcher | None = None
@@ -174,10 +175,11 @@ class EmulatedRank:
             if self.stop.is_set():
                 return
             done += 1
-            before = agent.store.bytes_read
+            before, ops = agent.store.bytes_read, agent.store.ops
             agent.publish_iteration_seconds(self.shape.iteration_seconds)
             decision = agent.decide(done)
-            self.records.append(("boundary", agent.slot, done, boundary, time.time(), agent.store.bytes_read - before))
+            read, made = agent.store.bytes_read - before, agent.store.ops - ops
+            self.records.append(("boundary", agent.slot, done, boundary, time.time(), read, made))
             if decision.next is not None:
                 if agent.slot not in decision.next.members:
                     return
@@ -185,13 +187,14 @@ class EmulatedRank:
 
     def _recover(self, done: int) -> int:
         agent, watcher = self.agent, self.watcher
-        before = agent.store.bytes_read
+        before, ops = agent.store.bytes_read, agent.store.ops
         members = agent.current.members
         decision = agent.recover(Progress(done, False), members, 30.0, 60.0)
         watcher.acknowledge(agent.applied)
         held = time.time()
         epoch = decision.next.epoch
-        self.records.append(("recovered", agent.slot, epoch, watcher.raised_at, held, agent.store.bytes_read - before))
+        read, made = agent.store.bytes_read - before, agent.store.ops - ops
+        self.records.append(("recovered", agent.slot, epoch, watcher.raised_at, held, read, made))
         if agent.slot not in decision.next.members:
             return -1
         agent.enter(decision.next, watcher.flag.is_set, 60.0)
