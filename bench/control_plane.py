@@ -19,11 +19,10 @@ iterations that sleep) in worker processes; every store client counts its operat
   small operations back to back), with the libuv backend and the classic one;
 - with ``--rebuild P:D ...``, first: the cost of one epoch's process groups on P x D real gloo ranks
   (``ds_recycle.testing.rebuild``): one rank ends, the others build the next world, connect it and
-  exchange a message with each peer a plan gives them and run a stage all-reduce, as a recovery
-  does; every store operation (gloo's own included) is counted. Each grid twice: each pair connected
-  at its first message, as the runtime does ("plan"), and every pair connected at the epoch's start,
-  as the runtime did before ("all"). Then the same arithmetic at 16,384 ranks, against the store's
-  capacity.
+  run a stage all-reduce, as a recovery does; every store operation (gloo's own included) is
+  counted. Each grid twice: connected all to all, as the runtime does ("all"), and, for comparison,
+  only the pairs a plan uses, each at its first message ("plan": what rebuilding only what failed
+  would need). Then the same arithmetic at 16,384 ranks, against the store's capacity.
 
     python bench/control_plane.py [--ranks 256 1024 4096 16384] [--workers 8] [--window 5] [--capacity]
         [--rebuild 4:2 4:4 4:8 4:16 2:16 8:4] [--smoke]
@@ -140,8 +139,8 @@ def _grid(text: str) -> tuple[int, int]:
 
 
 def rebuild_rows(grids: list[tuple[int, int]], capacity: float | None) -> None:
-    """One epoch's groups on real gloo ranks, each pair connected at its first message (the runtime)
-    and, for comparison, every pair at the epoch's start (before); then the costs at 16,384 ranks."""
+    """One epoch's groups on real gloo ranks, connected as the runtime does (every pair) and, for
+    comparison, only the pairs a plan uses; then the same per-rank costs at 16,384 ranks."""
     header = f"{'P x D':>7} {'ranks':>5} {'connect':>7} {'ops/rank':>8} {'max':>5} {'total ops':>9} {'slowest ms':>10}"
     print(f"{header}  by kind (all survivors)")
     costs: dict[str, list[RebuildCost]] = {connect: [] for connect in CONNECTS}

@@ -17,28 +17,18 @@ directed pair of workers, both sides post the pair's messages in one order, whic
 2. then the messages of the optimizer step, in the order shown in
    :mod:`ds_recycle.engine.staggered_step`.
 
-A channel lives for one epoch (the engine makes a new one on every new world). The world's pairs
-connect lazily, only those that carry a message: gloo connects a pair at its first p2p op, in the
-thread that posts it, and waits there, beyond the reach of the failure flag, for a peer that died
-or hangs. So the first message to or from each peer is posted from a thread of its own while the
-rank waits for it failure-aware (:meth:`Waiter.blocking`); the pair's later messages are posted in
-order after it, in the rank's thread. An epoch thus costs each rank a few store operations per
-peer it exchanges with, not one per rank of the world (docs/runtime.md, "What a fresh world
-costs").
-
-Both sides number the messages of each directed pair from 0. A *header* (int64: kind, home, mb,
-the message's number, then the tensors' count, dtypes and shapes) goes right before the first
-activation on each directed pair: the receiver takes the activation shapes from it and checks that
-the message is the one it expects. With ``DS_RECYCLE_P2P_CHECK=1`` in every rank's environment a
-header goes before every message and the receiver checks each one (kind, micro-batch, number,
-dtypes and shapes): one small extra message per transfer, to debug an order. ``kind``, ``home``
-and ``mb`` never reach torch.
+A channel lives for one epoch (the engine makes a new one on every new world). Both sides number
+the messages of each directed pair from 0. A *header* (int64: kind, home, mb, the message's number,
+then the tensors' count, dtypes and shapes) goes right before the first activation on each directed
+pair: the receiver takes the activation shapes from it and checks that the message is the one it
+expects. With ``DS_RECYCLE_P2P_CHECK=1`` in every rank's environment a header goes before every
+message and the receiver checks each one (kind, micro-batch, number, dtypes and shapes): one small
+extra message per transfer, to debug an order. ``kind``, ``home`` and ``mb`` never reach torch.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -95,8 +85,6 @@ class PeerChannel:
     """Destination ranks that have had their first activation (and its header)."""
     _activation_meta: dict[int, TensorMeta] = field(default_factory=dict)
     """By source rank: the activation description its first header gave."""
-    _connected: set[int] = field(default_factory=set)
-    """Ranks this channel has posted a message to or from: their pair of the world is connected."""
 
     def rank_of(self, worker: Worker) -> int:
         pipeline, stage = worker
@@ -149,7 +137,7 @@ class PeerChannel:
     def _recv_header(self, peer: Worker, src: int, number: int, kind: int, home: int, mb: int) -> TensorMeta:
         buf = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
         expected = _describe(kind, home, mb)
-        self.waiter.p2p(lambda: self._post(dist.irecv, buf, src), f"receiving the header of {expected} from {peer}")
+        self.waiter.p2p(lambda: dist.irecv(buf, src=src), f"receiving the header of {expected} from {peer}")
         values = buf.tolist()
         got_kind, got_home, got_mb, got_number = values[:_HEADER_FIELDS]
         if (got_kind, got_home, got_mb, got_number) != (kind, home, mb, number):
@@ -166,26 +154,15 @@ class PeerChannel:
     ) -> None:
         what = f"receiving {_describe(kind, home, mb)} from {peer}"
         for tensor in tensors:
-            self.waiter.p2p(lambda tensor=tensor: self._post(dist.irecv, tensor, src), what)
+            self.waiter.p2p(lambda tensor=tensor: dist.irecv(tensor, src=src), what)
 
     def _isend(self, tensor: torch.Tensor, dst: int) -> None:
         self.waiter.check(f"sending to rank {dst}")
         try:
-            work = self._post(dist.isend, tensor, dst)
+            work = dist.isend(tensor, dst=dst)
         except RuntimeError as error:
-            if isinstance(error, PeerFailure):
-                raise
             raise PeerFailure(f"sending to rank {dst}: {error}") from error
         self.pending_sends.append((work, tensor))
-
-    def _post(self, op: Callable[[torch.Tensor, int], dist.Work], tensor: torch.Tensor, rank: int) -> dist.Work:
-        """``op`` (``dist.isend`` or ``dist.irecv``) of ``tensor`` with ``rank``; the first with a
-        rank connects their pair (see the module doc)."""
-        if rank in self._connected:
-            return op(tensor, rank)
-        work = self.waiter.blocking(lambda: op(tensor, rank), f"connecting to rank {rank}")
-        self._connected.add(rank)
-        return work
 
 
 def _count(counters: dict[int, int], rank: int) -> int:

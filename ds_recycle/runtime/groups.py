@@ -15,11 +15,10 @@ Every group ReCycle makes connects lazily (gloo's ``TORCH_GLOO_LAZY_INIT``): cre
 this rank's address and returns, and a pair of ranks connects at its first op. An eager gloo group
 waits in its constructor, a C++ store wait that nothing can interrupt, for every member's address:
 a member that died after the epoch was entered held every survivor there for the group timeout.
-Lazily, that wait happens inside an op: a collective's in gloo's worker thread, which the rank
-waits for against the failure flag (``runtime/waiting.py``); a p2p op's in the thread that posts
-it, so routed p2p posts its first message to each peer from a thread of its own
-(:class:`~ds_recycle.engine.routing.PeerChannel`). Only the pairs that carry messages connect: a
-rank's share of an epoch's store traffic grows with its peers, not with the world.
+Lazily, that wait happens inside an op. A collective runs in gloo's worker thread, but a p2p op
+connects in the calling thread, so every member starts each world with one all-to-all
+(:func:`connect_all_pairs`): it connects every pair of the world in gloo's thread while the rank
+waits for it against the failure flag (``runtime/waiting.py``), as for any collective.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
@@ -112,6 +112,13 @@ def _leave_world_at_exit() -> None:
     if dist.is_initialized():
         bury(c10d._world.pg_map.keys())
         dist.destroy_process_group()
+
+
+def connect_all_pairs():
+    """Start an all-to-all over the current world, which connects every pair of its ranks; returns
+    its work handle (wait for it with ``Waiter.collective``)."""
+    size = dist.get_world_size()
+    return dist.all_to_all_single(torch.empty(size), torch.zeros(size), async_op=True)
 
 
 @dataclass

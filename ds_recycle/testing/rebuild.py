@@ -2,21 +2,17 @@
 not the world).
 
 Every epoch builds a fresh world on its own store prefix and every subgroup of it
-(:func:`~ds_recycle.runtime.groups.rebuild_world`, :meth:`RecycleGrid.build`), all connecting
-lazily. Here P x D real processes, with no engine, build the world of epoch 1, one process ends, and
-the others build epoch 2 without it as a recovery does, exchange one message with each peer a plan
-makes them exchange with (their pipeline neighbours, and for the neighbours of the lost worker,
-every replica that takes over its micro-batches), then run one all-reduce on their stage's group.
-Every store operation of the world, gloo's own included, goes through :class:`CountedStore`, a
-``torch.distributed.Store`` that counts what it passes to the job's TCPStore; the harness reports
-the operations and wall time of epoch 2.
+(:func:`~ds_recycle.runtime.groups.rebuild_world`, :func:`~ds_recycle.runtime.groups.connect_all_pairs`,
+:meth:`RecycleGrid.build`). Here P x D real processes, with no engine, build the world of epoch 1
+and connect it, one process ends, and the others build epoch 2 without it exactly as a recovery
+does, then run one all-reduce on their stage's group. Every store operation of the world, gloo's
+own included, goes through :class:`CountedStore`, a ``torch.distributed.Store`` that counts what
+it passes to the job's TCPStore; the harness reports the operations and wall time of epoch 2.
 
-``connect`` says how the pairs connect:
-
-- ``"plan"``: as the runtime does, at each pair's first message, through the engine's own
-  :class:`~ds_recycle.engine.routing.PeerChannel`;
-- ``"all"``: as the runtime did until it connected only the pairs it uses: one all-to-all over the
-  world at the start of every epoch, which connects every pair, then the same messages.
+``connect="plan"`` measures, for comparison, what the runtime does not do yet: epoch 2's world
+without the all-to-all that connects every pair, each survivor connecting only the peers a plan
+makes it exchange with (its pipeline neighbours, and for the neighbour of the lost worker, every
+replica that takes over the lost worker's micro-batches), one small send and receive per pair.
 """
 
 from __future__ import annotations
@@ -117,12 +113,11 @@ def plan_peers(slot: int, pp: int, dp: int, victim: int) -> list[int]:
 
 def _rank(slot: int, pp: int, dp: int, port: int, connect: str, results: mp.Queue) -> None:
     os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # the engine's modules import DeepSpeed
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
-    from ds_recycle.engine.routing import GRAD_NORM, PeerChannel
-    from ds_recycle.runtime.groups import RecycleGrid, rebuild_world
+    from ds_recycle.runtime.groups import RecycleGrid, connect_all_pairs, rebuild_world
 
     timeout = datetime.timedelta(seconds=TIMEOUT_SECONDS)
     root = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout, wait_for_workers=False)
@@ -133,19 +128,18 @@ def _rank(slot: int, pp: int, dp: int, port: int, connect: str, results: mp.Queu
     def build(membership: Membership, connect: str) -> None:
         rebuild_world(store, membership, slot, TIMEOUT_SECONDS)
         if connect == "all":
-            size = dist.get_world_size()
-            dist.all_to_all_single(torch.empty(size), torch.zeros(size))
+            connect_all_pairs().wait()
+        else:
+            rank = membership.members.index
+            ops = []
+            for peer in plan_peers(slot, pp, dp, victim):
+                ops += [dist.isend(torch.ones(1), rank(peer)), dist.irecv(torch.empty(1), rank(peer))]
+            for op in ops:
+                op.wait()
         grid = RecycleGrid.build(topo, membership, slot, TIMEOUT_SECONDS)
-        channel = PeerChannel(grid, torch.device("cpu"))
-        peers = [grid.worker_of(p) for p in plan_peers(slot, pp, dp, victim)] if membership.epoch > 1 else []
-        for peer in peers:
-            channel.send((torch.ones(1),), peer, GRAD_NORM, 0, 0)
-        for peer in peers:
-            channel.recv_into((torch.empty(1),), peer, GRAD_NORM, 0, 0)
-        channel.wait_sends()
         dist.all_reduce(torch.ones(1), group=grid.stage_groups[grid.worker[1]])
 
-    build(Membership(1, everyone, 0), connect)
+    build(Membership(1, everyone, 0), "all")
     _barrier(root, "built/1", len(everyone))
     if slot == victim:
         _report(results, None)
@@ -167,8 +161,7 @@ def _report(results: mp.Queue, row: tuple | None) -> None:
 
 def measure_rebuild(pp: int, dp: int, connect: str = "all") -> RebuildCost:
     """Epoch 2's store operations and time on P x D real gloo ranks, one of them gone; ``connect``:
-    each pair a plan uses at its first message (the runtime) or every pair at the epoch's start
-    (the runtime before it; see the module doc)."""
+    every pair (what the runtime does) or only the pairs a plan uses (see the module doc)."""
     if connect not in CONNECTS:
         raise ValueError(f"connect must be one of {CONNECTS}, got {connect!r}")
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

@@ -1,19 +1,12 @@
 """One rank of tests/unit/test_routing.py: workers (0, 0) and (0, 1), ranks 0 and 1, exchange routed
 messages through a PeerChannel on gloo. Writes out/rank<N>.json: the values received, or the error.
-
-In the ``absent_*`` scenarios rank 1 ends before it builds its world, as a member that dies after
-an epoch was entered; rank 0's first message to it must wait failure-aware, and stop once a failure
-is announced (here ``--announce-after`` seconds after it posts, standing in for the failure watcher)
-instead of waiting in the connection for the group timeout.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import threading
 import time
 from pathlib import Path
 
@@ -30,8 +23,6 @@ from ds_recycle.engine.routing import (
     P2POrderError,
     PeerChannel,
 )
-from ds_recycle.runtime.groups import lazy_connections
-from ds_recycle.runtime.waiting import PeerFailure
 
 FIRST, LAST = (0, 0), (0, 1)
 
@@ -106,42 +97,13 @@ def swapped(channel: PeerChannel, stage: int, iterations: int) -> list[float]:
     return []
 
 
-ABSENT = {"absent_send", "absent_recv"}
-
-
-def absent_peer(args: argparse.Namespace, rank: int) -> None:
-    if rank == 1:
-        os._exit(0)
-    with lazy_connections():
-        dist.init_process_group("gloo", rank=0, world_size=2, timeout=datetime.timedelta(seconds=args.group_timeout))
-    channel = PeerChannel(OnePipeline(0), torch.device("cpu"))
-    threading.Timer(args.announce_after, channel.waiter.failed.set).start()
-    began = time.monotonic()
-    result: dict = {}
-    try:
-        if args.scenario == "absent_send":
-            channel.send(activation(0, 0), LAST, ACTIVATION, 0, 0)
-        else:
-            channel.recv_activation(LAST, 0, 0)
-    except PeerFailure as failure:
-        result["error"] = str(failure)
-    result["seconds"] = time.monotonic() - began
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "rank0.json").write_text(json.dumps(result))
-    os._exit(0)  # the abandoned connection thread still waits for rank 1's address
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--scenario", choices=["agreed_order", "swapped", *sorted(ABSENT)], required=True)
+    parser.add_argument("--scenario", choices=["agreed_order", "swapped"], required=True)
     parser.add_argument("--iterations", type=int, default=2)
-    parser.add_argument("--announce-after", type=float, default=1.0)
-    parser.add_argument("--group-timeout", type=float, default=60.0)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
-    if args.scenario in ABSENT:
-        absent_peer(args, rank)
     dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
     tags = []
     for name in ("isend", "irecv"):
