@@ -183,17 +183,14 @@ class Network:
         if os.geteuid() != 0:
             return "network namespaces need CAP_NET_ADMIN (run as root)"
         probe = f"drt{os.getpid() % 100000}probe"
-        for attempt in range(3):  # a failed probe in one CI run went unexplained: try again, then say why
-            try:
-                done = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=30)
-            except FileNotFoundError:
-                return "the `ip` command (iproute2) is not installed"
-            if done.returncode == 0:
-                subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
-                return None
-            subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
-            time.sleep(0.5 * (attempt + 1))
-        return f"`ip netns add {probe}` failed 3 times: {done.stderr.strip()}"
+        try:
+            done = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=30)
+        except FileNotFoundError:
+            return "the `ip` command (iproute2) is not installed"
+        if done.returncode != 0:
+            return f"`ip netns add` failed: {done.stderr.strip()}"
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
+        return None
 
 
 class Coordinator(Watched):
