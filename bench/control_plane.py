@@ -42,6 +42,8 @@ from ds_recycle.testing.rebuild import CONNECTS, RebuildCost, measure_rebuild
 from ds_recycle.testing.scale import Harness, Shape, count_store_operations, store_capacity
 
 PER_NODE = 8
+AT_SCALE = 16384
+"""The job size the issue sets: the measured per-rank costs are carried to it."""
 
 
 def _ops(before, after, seconds: float) -> float:
@@ -154,7 +156,7 @@ def rebuild_rows(grids: list[tuple[int, int]], capacity: float | None) -> None:
                 f"{cost.total_ops:>9} {cost.seconds_max * 1e3:>10.0f}  {kinds}",
                 flush=True,
             )
-    at = 16384
+    at = AT_SCALE
     for connect, rows in costs.items():
         if len({c.ranks for c in rows}) < 2:
             continue
@@ -229,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         print("control plane: no N could be run")
         return 1
     if last["death_ops_per_rank"]:
-        at = 16384
+        at = AT_SCALE
         total = (at - 1) * last["death_ops_per_rank"]
         line = f"a process death at {at} ranks: {total:.3g} store ops to the decision ({last['death_ops_per_rank']:.1f}"
         line += f" per survivor at {last['ranks']} ranks)"
