@@ -20,9 +20,9 @@ iterations that sleep) in worker processes; every store client counts its operat
 - with ``--rebuild P:D ...``, first: the cost of one epoch's process groups on P x D real gloo ranks
   (``ds_recycle.testing.rebuild``): one rank ends, the others build the next world, connect it and
   run a stage all-reduce, as a recovery does; every store operation (gloo's own included) is
-  counted. Each grid twice: connected all to all, as the runtime does ("all"), and, for comparison,
-  only the pairs a plan uses, each at its first message ("plan": what rebuilding only what failed
-  would need). Then the same arithmetic at 16,384 ranks, against the store's capacity.
+  counted. Each grid twice: only the pairs the epoch's plan uses, one two-rank group each, as the
+  runtime does ("pairs"), and, for comparison, every pair by one all-to-all, as the runtime did
+  until session 33 ("all"). Then the same arithmetic at 16,384 ranks, against the store's capacity.
 
     python bench/control_plane.py [--ranks 256 1024 4096 16384] [--workers 8] [--window 5] [--capacity]
         [--rebuild 4:2 4:4 4:8 4:16 2:16 8:4] [--smoke]
@@ -141,8 +141,8 @@ def _grid(text: str) -> tuple[int, int]:
 
 
 def rebuild_rows(grids: list[tuple[int, int]], capacity: float | None) -> None:
-    """One epoch's groups on real gloo ranks, connected as the runtime does (every pair) and, for
-    comparison, only the pairs a plan uses; then the same per-rank costs at 16,384 ranks."""
+    """One epoch's groups on real gloo ranks, connected as the runtime does (the plan's pairs) and,
+    for comparison, all to all; then the same per-rank costs at 16,384 ranks."""
     header = f"{'P x D':>7} {'ranks':>5} {'connect':>7} {'ops/rank':>8} {'max':>5} {'total ops':>9} {'slowest ms':>10}"
     print(f"{header}  by kind (all survivors)")
     costs: dict[str, list[RebuildCost]] = {connect: [] for connect in CONNECTS}
@@ -164,7 +164,7 @@ def rebuild_rows(grids: list[tuple[int, int]], capacity: float | None) -> None:
             slope, intercept = statistics.linear_regression([c.ranks - 1 for c in rows], [c.ops_per_rank for c in rows])
             total = at * (slope * (at - 1) + intercept)
             line = f"rebuild ({connect}) per rank ~ {slope:.2f} x (N - 1) + {intercept:.1f} store ops"
-        else:  # a rank's own peers only: flat in N (the lost worker's neighbours add O(D) to two ranks)
+        else:  # a rank's own peers only: flat in N (the lost worker's neighbours add O(D) to a few ranks)
             largest = max(rows, key=lambda c: c.ranks)
             total = at * largest.ops_per_rank
             line = f"rebuild ({connect}) per rank ~ {largest.ops_per_rank:.1f} store ops at {largest.ranks} ranks, flat"

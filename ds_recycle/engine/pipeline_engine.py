@@ -102,6 +102,8 @@ class PlannedSchedule(schedule.PipeSchedule):
         super().__init__(micro_batches, stages, stage_id)
         self.num_buffers = stream.num_buffers
         self.instructions = [to_instruction(action) for action in stream.actions]
+        self.peers = {action.peer for action in stream.actions if isinstance(action, actions.TransferAction)}
+        """The workers this stream sends to or receives from."""
 
     def num_pipe_buffers(self) -> int:
         return self.num_buffers
@@ -918,6 +920,11 @@ class RecyclePipelineEngine(PipelineEngine):
         return self._fault_free_time
 
     def _exec_schedule(self, pipe_schedule):
+        if self.recycle.enabled and isinstance(pipe_schedule, PlannedSchedule):
+            # Every live worker starts the iteration (or evaluation) on the same plan: connecting
+            # here connects each pair the plan adds from both of its workers at once.
+            step_peers = self.stepper.peers() if pipe_schedule.trains else set()
+            self.channel.connect(pipe_schedule.peers | step_peers)
         self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
         self.fwd_outputs = []
         self.instruction_events = []

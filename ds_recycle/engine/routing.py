@@ -1,8 +1,10 @@
 """Routed p2p: activations and gradients between any two workers, in any pipeline.
 
 DeepSpeed's ``p2p`` module only reaches the adjacent stage of the caller's own pipeline. After a
-failure a micro-batch may come from, or go to, another pipeline, so ReCycle sends on the world
-group with global ranks. Sends are asynchronous (their handles are kept until the iteration
+failure a micro-batch may come from, or go to, another pipeline, so ReCycle sends to global ranks,
+each pair of workers on a two-rank group of its own (:class:`~ds_recycle.runtime.groups.PairLinks`),
+which every worker connects before the iteration (or re-sync) that first uses it
+(:meth:`PeerChannel.connect`). Sends are asynchronous (their handles are kept until the iteration
 ends); receives wait, failure-aware (:class:`~ds_recycle.runtime.waiting.Waiter`), so a dead peer
 never blocks a survivor.
 
@@ -32,7 +34,6 @@ import os
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from ds_recycle.runtime.waiting import PeerFailure, Waiter
 
@@ -90,6 +91,12 @@ class PeerChannel:
         pipeline, stage = worker
         return self.grid.stage_to_global(stage_id=stage, data=pipeline)
 
+    def connect(self, peers: set[Worker]) -> None:
+        """Connect this worker to ``peers`` (those not connected yet). Every worker calls it at the
+        same point of the program with the peers the same plan gives it, so that each pair is
+        connected by both of its workers at once."""
+        self.grid.links.connect({self.rank_of(peer) for peer in peers}, self.waiter)
+
     def send(self, tensors: tuple[torch.Tensor, ...], peer: Worker, kind: int, home: int, mb: int) -> None:
         dst = self.rank_of(peer)
         number = _count(self._sent, dst)
@@ -137,7 +144,7 @@ class PeerChannel:
     def _recv_header(self, peer: Worker, src: int, number: int, kind: int, home: int, mb: int) -> TensorMeta:
         buf = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
         expected = _describe(kind, home, mb)
-        self.waiter.p2p(lambda: dist.irecv(buf, src=src), f"receiving the header of {expected} from {peer}")
+        self.waiter.p2p(lambda: self.grid.links.irecv(buf, src), f"receiving the header of {expected} from {peer}")
         values = buf.tolist()
         got_kind, got_home, got_mb, got_number = values[:_HEADER_FIELDS]
         if (got_kind, got_home, got_mb, got_number) != (kind, home, mb, number):
@@ -154,12 +161,12 @@ class PeerChannel:
     ) -> None:
         what = f"receiving {_describe(kind, home, mb)} from {peer}"
         for tensor in tensors:
-            self.waiter.p2p(lambda tensor=tensor: dist.irecv(tensor, src=src), what)
+            self.waiter.p2p(lambda tensor=tensor: self.grid.links.irecv(tensor, src), what)
 
     def _isend(self, tensor: torch.Tensor, dst: int) -> None:
         self.waiter.check(f"sending to rank {dst}")
         try:
-            work = dist.isend(tensor, dst=dst)
+            work = self.grid.links.isend(tensor, dst)
         except RuntimeError as error:
             raise PeerFailure(f"sending to rank {dst}: {error}") from error
         self.pending_sends.append((work, tensor))

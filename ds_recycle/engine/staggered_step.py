@@ -146,6 +146,19 @@ class StageStepper:
     def clip(self) -> float:
         return float(self.engine.gradient_clipping() or 0.0)
 
+    def peers(self) -> set[tuple[int, int]]:
+        return step_peers(self.grid)
+
+    def tied_peers(self) -> set[tuple[int, int]]:
+        """The workers a re-sync of the tied weights exchanges them with."""
+        peers = set()
+        for tied in self.tied:
+            if tied.owner_stage == self.stage:
+                peers.update(self._followers_of_mine(tied))
+            else:
+                peers.add(self.grid.partner(self.pipeline, tied.owner_stage))
+        return peers
+
     def step(self) -> None:
         engine = self.engine
         self._exchange_tied_gradients()
@@ -253,6 +266,7 @@ class StageStepper:
 
     def resync_tied_weights(self) -> None:
         """After a rollback: followers take the owner's (restored) tied weights again."""
+        self.channel.connect(self.tied_peers())
         self._exchange_tied_weights()
         self.channel.wait_sends()
 
@@ -355,6 +369,17 @@ class StageStepper:
             for stage in range(self.stages - 1):
                 if self.grid.is_live((pipeline, stage)):
                     self.channel.send((losses,), (pipeline, stage), LOSS, 0, 0)
+
+
+def step_peers(grid) -> set[tuple[int, int]]:
+    """Every worker ``grid.worker`` may exchange a message of the step with in the grid's epoch: to
+    each live worker of another stage whose pipeline it stands in for (partial norms, the loss,
+    tied weights to followers), and from its pipeline's partner at every other stage (the same
+    three, tied gradients to the owner). Symmetric: each of them has this worker among its own."""
+    (pipeline, stage), stages = grid.worker, grid.pipe_parallel_size
+    others = [t for t in range(stages) if t != stage]
+    to = {(q, t) for q in grid.served_by(grid.worker) for t in others if grid.is_live((q, t))}
+    return to | {grid.partner(pipeline, t) for t in others}
 
 
 def _tied_weight_numbers(module) -> dict[tuple[str, str], int]:

@@ -15,10 +15,16 @@ Every group ReCycle makes connects lazily (gloo's ``TORCH_GLOO_LAZY_INIT``): cre
 this rank's address and returns, and a pair of ranks connects at its first op. An eager gloo group
 waits in its constructor, a C++ store wait that nothing can interrupt, for every member's address:
 a member that died after the epoch was entered held every survivor there for the group timeout.
-Lazily, that wait happens inside an op. A collective runs in gloo's worker thread, but a p2p op
-connects in the calling thread, so every member starts each world with one all-to-all
-(:func:`connect_all_pairs`): it connects every pair of the world in gloo's thread while the rank
-waits for it against the failure flag (``runtime/waiting.py``), as for any collective.
+Lazily, that wait happens inside an op. A collective runs in gloo's worker thread, which the rank
+waits for against the failure flag (``runtime/waiting.py``). A p2p op does not: it connects its
+pair in the calling thread and waits there (gloo's ``Pair::verifyConnected``) until the peer
+connects too, so a rank's first send to a peer would wait for the peer to reach its own first op
+on the pair: a rendezvous that an asynchronous send must not be, and a wait that a dead peer ends
+only at the group timeout. So routed p2p runs on :class:`PairLinks`: one two-rank group per pair of
+workers that exchange messages, connected by one one-element all-reduce (a collective) that both
+ranks start at the same point of the program and wait for against the failure flag. A rank
+connects only its peers, never the whole world: its store operations per epoch grow with its
+peers, not with the world.
 """
 
 from __future__ import annotations
@@ -114,11 +120,84 @@ def _leave_world_at_exit() -> None:
         dist.destroy_process_group()
 
 
-def connect_all_pairs():
-    """Start an all-to-all over the current world, which connects every pair of its ranks; returns
-    its work handle (wait for it with ``Waiter.collective``)."""
-    size = dist.get_world_size()
-    return dist.all_to_all_single(torch.empty(size), torch.zeros(size), async_op=True)
+PAIR_PREFIX = "pair"
+"""The store prefix of a world's pair groups: ``<world's prefix>/pair/<k>/<lower rank>_<higher rank>/``,
+for the k-th :class:`PairLinks` of that world (several engines can share one world)."""
+
+_links_made: dict[int, int] = {}
+"""By world (the default group's id): how many :class:`PairLinks` this process made on it."""
+
+
+@dataclass
+class PairLinks:
+    """Routed p2p's transport in one world: a two-rank gloo group per peer this rank exchanges
+    messages with (see the module doc). On a world that is not gloo's (NCCL connects its pairs
+    itself; a joiner's placeholder world carries nothing) the messages go on the world group."""
+
+    rank: int
+    timeout: float
+    store: object | None = None
+    """The world's store; None: p2p on the world group."""
+    groups: dict[int, object] = field(default_factory=dict)
+    """By peer rank: the pair's group (created, perhaps not connected)."""
+    connected: set[int] = field(default_factory=set)
+    prefix: str = PAIR_PREFIX
+
+    @classmethod
+    def of_world(cls, timeout: float) -> PairLinks:
+        """The links of the current world; every rank of it makes its k-th at the same point."""
+        if dist.get_backend() != dist.Backend.GLOO:
+            return cls(dist.get_rank(), timeout)
+        world = id(c10d._get_default_group())
+        made = _links_made.get(world, 0)
+        _links_made[world] = made + 1
+        return cls(dist.get_rank(), timeout, c10d._get_default_store(), prefix=f"{PAIR_PREFIX}/{made}")
+
+    def connect(self, peers, waiter) -> None:
+        """Connect this rank to every rank of ``peers`` it is not connected to yet. Each of them
+        must call this with this rank among its ``peers`` at the same point of the program (the
+        start of an iteration, or of a re-sync): the connection is a collective of the pair."""
+        if self.store is None:
+            return
+        new = sorted(set(peers) - self.connected - {self.rank})
+        works = []
+        with lazy_connections():
+            for peer in new:
+                if peer not in self.groups:
+                    self.groups[peer] = self._group(peer)
+                    bury([self.groups[peer]])
+                works.append((peer, self.groups[peer].allreduce([torch.zeros(1)])))
+        for peer, work in works:
+            waiter.collective(lambda work=work: work, f"connecting rank {self.rank} to rank {peer}")
+            self.connected.add(peer)
+
+    def _group(self, peer: int):
+        low, high = sorted((self.rank, peer))
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = datetime.timedelta(seconds=self.timeout)
+        options._threads = 1
+        # A device of its own: lazily connecting groups on one device would share their sequence numbers.
+        options._devices = [dist.ProcessGroupGloo.create_default_device(lazy_init=True)]
+        store = dist.PrefixStore(f"{self.prefix}/{low}_{high}/", self.store)
+        return dist.ProcessGroupGloo(store, 0 if self.rank == low else 1, 2, options)
+
+    def isend(self, tensor: torch.Tensor, dst: int):
+        group = self._linked(dst)
+        return dist.isend(tensor, dst=dst) if group is None else group.send([tensor], int(dst > self.rank), 0)
+
+    def irecv(self, tensor: torch.Tensor, src: int):
+        group = self._linked(src)
+        return dist.irecv(tensor, src=src) if group is None else group.recv([tensor], int(src > self.rank), 0)
+
+    def _linked(self, peer: int):
+        if self.store is None:
+            return None
+        if peer not in self.connected:
+            raise RuntimeError(
+                f"routed p2p between ranks {self.rank} and {peer}: the pair was not connected (connected: "
+                f"{sorted(self.connected)}); every pair a plan uses must be connected first (PeerChannel.connect)"
+            )
+        return self.groups[peer]
 
 
 @dataclass
@@ -132,6 +211,8 @@ class RecycleGrid:
     timeout: float
     stage_groups: dict[int, object] = field(default_factory=dict)
     pipe_groups: dict[int, object] = field(default_factory=dict)
+    links: PairLinks | None = None
+    """Routed p2p's pair groups in this epoch's world."""
 
     @classmethod
     def build(cls, topo, membership: Membership, slot: int, timeout: float) -> RecycleGrid:
@@ -144,6 +225,7 @@ class RecycleGrid:
             stages = [(pipeline, s) for s in range(grid.pipe_parallel_size)]
             if all(grid.is_live(w) for w in stages):
                 grid.pipe_groups[pipeline] = new_group([grid.rank_of(w) for w in stages], timeout)
+        grid.links = PairLinks.of_world(timeout)
         return grid
 
     # ---- the logical topology ------------------------------------------------------------

@@ -36,7 +36,7 @@ from ds_recycle.log import logger
 from ds_recycle.runtime import exit_guard, placement, rebalance, rejoin, reporting
 from ds_recycle.runtime import protocol as proto
 from ds_recycle.runtime.events import MembershipChange
-from ds_recycle.runtime.groups import GROUP_TIMEOUT_SECONDS, RecycleGrid, connect_all_pairs, rebuild_world
+from ds_recycle.runtime.groups import GROUP_TIMEOUT_SECONDS, RecycleGrid, rebuild_world
 from ds_recycle.runtime.membership import EpochSuperseded, MembershipAgent
 from ds_recycle.runtime.protocol import RESTART_EXIT_CODE, STOP_EXIT_CODE, Change, Decision, Membership, Progress
 from ds_recycle.runtime.waiting import FailureWatcher, PeerFailure
@@ -181,7 +181,6 @@ class RankRuntime:
         self.check_placement()
         self.agent.start_heartbeat()
         self._start_watcher()
-        self._connect()
         self.agent.install_leave_handler()
         if self.engine.is_lowest_live_rank():
             self.publish_status()
@@ -318,13 +317,9 @@ class RankRuntime:
         self.agent.enter(membership, announced, GROUP_TIMEOUT_SECONDS)
         self._enter_phase(Phase.BUILDING)
         rebuild_world(self.agent.store, membership, self.engine.slot, GROUP_TIMEOUT_SECONDS)
-        self._connect()
         grid = RecycleGrid.build(self.engine.module._topo, membership, self.engine.slot, GROUP_TIMEOUT_SECONDS)
         self.engine.install_grid(grid)
         rejoin.transfer_state(self.engine, grid, decision.holders())
-
-    def _connect(self) -> None:
-        self.engine.waiter.collective(connect_all_pairs, "connecting every pair of the world")
 
     # ---- recovery from an unplanned failure ------------------------------------------------------
 

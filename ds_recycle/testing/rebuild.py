@@ -2,17 +2,19 @@
 not the world).
 
 Every epoch builds a fresh world on its own store prefix and every subgroup of it
-(:func:`~ds_recycle.runtime.groups.rebuild_world`, :func:`~ds_recycle.runtime.groups.connect_all_pairs`,
-:meth:`RecycleGrid.build`). Here P x D real processes, with no engine, build the world of epoch 1
-and connect it, one process ends, and the others build epoch 2 without it exactly as a recovery
-does, then run one all-reduce on their stage's group. Every store operation of the world, gloo's
-own included, goes through :class:`CountedStore`, a ``torch.distributed.Store`` that counts what
-it passes to the job's TCPStore; the harness reports the operations and wall time of epoch 2.
+(:func:`~ds_recycle.runtime.groups.rebuild_world`, :meth:`RecycleGrid.build`), and connects the
+pairs its plan uses (:class:`~ds_recycle.runtime.groups.PairLinks`). Here P x D real processes, with
+no engine, build the world of epoch 1 and connect it, one process ends, and the others build epoch
+2 without it exactly as a recovery does, then run one all-reduce on their stage's group. Every
+store operation of the world, gloo's own included, goes through :class:`CountedStore`, a
+``torch.distributed.Store`` that counts what it passes to the job's TCPStore; the harness reports
+the operations and wall time of epoch 2.
 
-``connect="plan"`` measures, for comparison, what the runtime does not do yet: epoch 2's world
-without the all-to-all that connects every pair, each survivor connecting only the peers a plan
-makes it exchange with (its pipeline neighbours, and for the neighbour of the lost worker, every
-replica that takes over the lost worker's micro-batches), one small send and receive per pair.
+``connect="pairs"`` is the runtime: each survivor connects the peers of epoch 2's plan (the
+heuristic's plan for the lost worker, lowered: the workers its stream sends to or receives from, and
+those of the optimizer step, :func:`~ds_recycle.engine.staggered_step.step_peers`), one two-rank
+group each. ``connect="all"``, for comparison, is what the runtime did until session 33: one
+all-to-all over the world, which connects every pair.
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ class CountedClones:
         return self.made[-1]
 
 
-CONNECTS = ("all", "plan")
+CONNECTS = ("all", "pairs")
+MICRO_BATCHES_PER_STAGE = 2
 
 
 @dataclass(frozen=True)
@@ -94,30 +97,36 @@ def _barrier(store: dist.Store, name: str, count: int) -> None:
         time.sleep(0.01)
 
 
-def plan_peers(slot: int, pp: int, dp: int, victim: int) -> list[int]:
-    """The slots ``slot`` exchanges activations or gradients with once ``victim`` is gone (slot =
-    stage * D + pipeline, DeepSpeed's pipe-data topology): its live pipeline neighbours; the
-    victim's pipeline neighbours also talk to every live replica of the victim's stage."""
-    pairs: set[frozenset[int]] = set()
-    for pipeline in range(dp):
-        for stage in range(pp - 1):
-            pairs.add(frozenset((stage * dp + pipeline, (stage + 1) * dp + pipeline)))
-    lost_pipeline, lost_stage = victim % dp, victim // dp
-    for stage in (lost_stage - 1, lost_stage + 1):
-        if 0 <= stage < pp:
-            for pipeline in range(dp):
-                if pipeline != lost_pipeline:
-                    pairs.add(frozenset((stage * dp + lost_pipeline, lost_stage * dp + pipeline)))
-    return sorted(other for pair in pairs if slot in pair and victim not in pair for other in pair - {slot})
+def plan_peers(pp: int, dp: int, victim: int) -> dict[int, list[int]]:
+    """By surviving slot (slot = stage * D + pipeline, DeepSpeed's pipe-data topology): the slots
+    it exchanges messages with in the epoch without ``victim``, as the runtime connects them."""
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+
+    from ds_recycle.engine.staggered_step import step_peers
+    from ds_recycle.planner.heuristic import plan_heuristic
+    from ds_recycle.planner.lowering import lower
+    from ds_recycle.runtime.groups import RecycleGrid
+
+    topo = PipeDataParallelTopology(num_pp=pp, num_dp=dp)
+    membership = Membership(2, tuple(s for s in range(pp * dp) if s != victim), 1)
+    lost = (victim % dp, victim // dp)
+    streams = lower(plan_heuristic(dp, pp, MICRO_BATCHES_PER_STAGE * pp, [lost]))
+    peers = {}
+    for slot in membership.members:
+        grid = RecycleGrid(topo, membership, slot, TIMEOUT_SECONDS)
+        workers = {a.peer for a in streams[grid.worker].actions if hasattr(a, "peer")} | step_peers(grid)
+        peers[slot] = sorted(grid.slot_of(w) for w in workers)
+    return peers
 
 
-def _rank(slot: int, pp: int, dp: int, port: int, connect: str, results: mp.Queue) -> None:
+def _rank(slot: int, pp: int, dp: int, port: int, connect: str, peers: list[int], results: mp.Queue) -> None:
     os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
-    from ds_recycle.runtime.groups import RecycleGrid, connect_all_pairs, rebuild_world
+    from ds_recycle.runtime.groups import RecycleGrid, rebuild_world
+    from ds_recycle.runtime.waiting import Waiter
 
     timeout = datetime.timedelta(seconds=TIMEOUT_SECONDS)
     root = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout, wait_for_workers=False)
@@ -128,15 +137,11 @@ def _rank(slot: int, pp: int, dp: int, port: int, connect: str, results: mp.Queu
     def build(membership: Membership, connect: str) -> None:
         rebuild_world(store, membership, slot, TIMEOUT_SECONDS)
         if connect == "all":
-            connect_all_pairs().wait()
-        else:
-            rank = membership.members.index
-            ops = []
-            for peer in plan_peers(slot, pp, dp, victim):
-                ops += [dist.isend(torch.ones(1), rank(peer)), dist.irecv(torch.empty(1), rank(peer))]
-            for op in ops:
-                op.wait()
+            size = dist.get_world_size()
+            dist.all_to_all_single(torch.empty(size), torch.zeros(size))
         grid = RecycleGrid.build(topo, membership, slot, TIMEOUT_SECONDS)
+        if connect == "pairs":
+            grid.links.connect([membership.members.index(peer) for peer in peers], Waiter())
         dist.all_reduce(torch.ones(1), group=grid.stage_groups[grid.worker[1]])
 
     build(Membership(1, everyone, 0), "all")
@@ -161,13 +166,18 @@ def _report(results: mp.Queue, row: tuple | None) -> None:
 
 def measure_rebuild(pp: int, dp: int, connect: str = "all") -> RebuildCost:
     """Epoch 2's store operations and time on P x D real gloo ranks, one of them gone; ``connect``:
-    every pair (what the runtime does) or only the pairs a plan uses (see the module doc)."""
+    the pairs epoch 2's plan uses (what the runtime does) or every pair (see the module doc)."""
     if connect not in CONNECTS:
         raise ValueError(f"connect must be one of {CONNECTS}, got {connect!r}")
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(s, pp, dp, server.port, connect, results)) for s in range(pp * dp)]
+    victim = pp * dp - 1
+    peers = plan_peers(pp, dp, victim)
+    procs = [
+        ctx.Process(target=_rank, args=(s, pp, dp, server.port, connect, peers.get(s, []), results))
+        for s in range(pp * dp)
+    ]
     for proc in procs:
         proc.start()
     try:

@@ -257,8 +257,10 @@ def test_a_member_killed_after_every_member_entered_the_new_epoch(tmp_path, tmp_
     survivor has counted itself into the recovery's epoch, before any of its groups exist, and is
     killed there. The other survivors must not wait for it in the world's construction (an eager
     gloo group waits for every member's address in a C++ store wait, for the group timeout: seen
-    in CI); they stop in the all-to-all that connects the new world, decide again without it, and
-    report both failures in one line (the first round's epoch was never entered). Both re-join."""
+    in CI); they stop in the first op that needs it, decide again without it, and go on. Worker
+    (1, 1) needs it at once: the parked worker is the owner of the tied weight that (1, 1) re-syncs
+    after the rollback, over a pair that both must connect. So (1, 1) reports both failures in one
+    line (the first round's epoch was never entered). Both re-join."""
     pp, dp = 2, 2
     reference = fault_free(tmp_path_factory, pp, dp, STEPS, "adam")
     first, building = slot(dp, 0, 1), slot(dp, 1, 0)
@@ -270,7 +272,7 @@ def test_a_member_killed_after_every_member_entered_the_new_epoch(tmp_path, tmp_
         job.kill()
         raise
     check(job, reference, 2)
-    survivor = (tmp_path / "logs" / f"rank{slot(dp, 0, 0)}.log").read_text()
+    survivor = (tmp_path / "logs" / f"rank{slot(dp, 1, 1)}.log").read_text()
     assert "another failure during recovery" in survivor, survivor[-3000:]
     assert "epoch 2 from iteration 3: left [] failed [(0, 1), (1, 0)] joined []" in survivor, survivor[-3000:]
 

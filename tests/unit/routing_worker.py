@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from ds_recycle.engine.routing import (
     P2POrderError,
     PeerChannel,
 )
+from ds_recycle.runtime.groups import PairLinks
+from ds_recycle.runtime.waiting import PeerFailure
 
 FIRST, LAST = (0, 0), (0, 1)
 
@@ -30,6 +33,7 @@ FIRST, LAST = (0, 0), (0, 1)
 class OnePipeline:
     def __init__(self, stage: int) -> None:
         self.worker = (0, stage)
+        self.links = PairLinks.of_world(timeout=60.0)
 
     def stage_to_global(self, stage_id: int, data: int) -> int:
         assert data == 0
@@ -97,41 +101,51 @@ def swapped(channel: PeerChannel, stage: int, iterations: int) -> list[float]:
     return []
 
 
+def absent_peer(channel: PeerChannel, stage: int, iterations: int) -> list[float]:
+    """The last stage never connects; the first stage's connect is stopped by a failure flag raised
+    after a second, as a survivor's watcher raises it when a peer's failure is published."""
+    if stage == 1:
+        return []
+    threading.Timer(ABSENT_FLAG_SECONDS, channel.waiter.failed.set).start()
+    began = time.monotonic()
+    try:
+        channel.connect({LAST})
+    except PeerFailure as failure:
+        return [time.monotonic() - began, str(failure)]
+    return [time.monotonic() - began, "connected"]
+
+
+ABSENT_FLAG_SECONDS = 1.0
+SCENARIOS = {"agreed_order": agreed_order, "swapped": swapped, "absent_peer": absent_peer}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--scenario", choices=["agreed_order", "swapped"], required=True)
+    parser.add_argument("--scenario", choices=sorted(SCENARIOS), required=True)
     parser.add_argument("--iterations", type=int, default=2)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
-    tags = []
-    for name in ("isend", "irecv"):
-        original = getattr(dist, name)
-
-        def recording(*a, original=original, **kw):
-            tags.append(kw.get("tag", a[3] if len(a) > 3 else None))
-            return original(*a, **kw)
-
-        setattr(dist, name, recording)
     channel = PeerChannel(OnePipeline(rank), torch.device("cpu"))
+    if args.scenario != "absent_peer":
+        channel.connect({LAST if rank == 0 else FIRST})
     result: dict = {"checked": channel.checked}
-    scenario = agreed_order if args.scenario == "agreed_order" else swapped
+    scenario = SCENARIOS[args.scenario]
     try:
         result["received"] = scenario(channel, rank, args.iterations)
     except P2POrderError as error:
         result["error"] = str(error)
-    result["tags"] = sorted({str(tag) for tag in tags})
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps(result))
     if args.scenario == "agreed_order":
         dist.barrier()
         dist.destroy_process_group()
         return
-    # gloo moves a message only once it is received: stay until the last stage is done, then
+    # gloo moves a message only once it is received: stay until the other rank is done, then
     # leave without waiting for the sends that no one will receive
     deadline = time.monotonic() + 60
-    while not (args.out / "rank1.json").exists() and time.monotonic() < deadline:
+    while not (args.out / f"rank{1 - rank}.json").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     os._exit(0)
 

@@ -1,4 +1,4 @@
-"""The pairs the rebuild bench connects when only a plan's pairs are connected."""
+"""The pairs the rebuild bench connects: those of the epoch's plan, as the runtime connects them."""
 
 from __future__ import annotations
 
@@ -10,18 +10,19 @@ from ds_recycle.testing.rebuild import measure_rebuild, plan_peers
 @pytest.mark.parametrize("pp,dp", [(2, 2), (3, 3), (4, 8), (8, 4)])
 def test_plan_peers_are_symmetric_and_leave_out_the_lost_worker(pp, dp):
     victim = pp * dp - 1
-    peers = {s: plan_peers(s, pp, dp, victim) for s in range(pp * dp - 1)}
+    peers = plan_peers(pp, dp, victim)
+    assert sorted(peers) == list(range(pp * dp - 1))
     for slot, others in peers.items():
         assert victim not in others and slot not in others
         for other in others:
             assert slot in peers[other], (slot, other)
-    # a pipeline's middle stage talks to both neighbours; the lost worker's neighbour also to its replicas
-    lost_pipeline, lost_stage = victim % dp, victim // dp
-    neighbour = (lost_stage - 1) * dp + lost_pipeline
-    assert len(peers[neighbour]) == (1 if lost_stage - 1 > 0 else 0) + dp - 1
-    assert all(len(others) <= 2 + dp - 1 for others in peers.values())
+    # every worker talks to the rest of its pipeline (the step); the lost worker's replicas at most to D more
+    for slot, others in peers.items():
+        stage, pipeline = divmod(slot, dp)
+        assert {s * dp + pipeline for s in range(pp) if s * dp + pipeline != victim} - {slot} <= set(others)
+        assert len(others) <= 2 * (pp - 1) + 2 * dp
 
 
 def test_an_unknown_connect_mode_is_named():
-    with pytest.raises(ValueError, match=r"connect must be one of \('all', 'plan'\), got 'some'"):
+    with pytest.raises(ValueError, match=r"connect must be one of \('all', 'pairs'\), got 'some'"):
         measure_rebuild(2, 2, "some")
