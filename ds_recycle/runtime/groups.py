@@ -160,13 +160,16 @@ class PairLinks:
         if self.store is None:
             return
         new = sorted(set(peers) - self.connected - {self.rank})
-        works = []
+        # Every group first, then every connection: a group publishes its address on the world's
+        # store client, which a connection's lookup of a peer's address holds until the peer
+        # publishes its own (a dead one: until the timeout), so a group made after a connection
+        # could wait there, in C++, beyond the failure flag.
         with lazy_connections():
             for peer in new:
                 if peer not in self.groups:
                     self.groups[peer] = self._group(peer)
                     bury([self.groups[peer]])
-                works.append((peer, self.groups[peer].allreduce([torch.zeros(1)])))
+        works = [(peer, self.groups[peer].allreduce([torch.zeros(1)])) for peer in new]
         for peer, work in works:
             waiter.collective(lambda work=work: work, f"connecting rank {self.rank} to rank {peer}")
             self.connected.add(peer)

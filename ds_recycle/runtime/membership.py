@@ -200,17 +200,18 @@ class MembershipAgent:
         self.refresh()
         epoch = self.current.epoch
         self._wait_for_failure(set(running) | concerned(self.current, self.current, self.store), detect_timeout)
-        self._post_progress(epoch, progress)
+        posted = self._post_progress(epoch, progress)
         key = proto.recovery_key(epoch)
         deadline = time.monotonic() + timeout
         looked_at = None
         while True:
             # After this survivor's post: a change published before it is seen here, and a later
             # one moves ``alert`` on, which the next look (after a slice of the wait) sees.
-            alerts = int(self.store.add(proto.ALERT, 0))
-            if alerts != looked_at:
-                looked_at = alerts
-                self._propose_recovery(epoch)
+            pending = self._read_pending()
+            if len(pending) != looked_at:
+                looked_at = len(pending)
+                self._propose_recovery(epoch, pending, posted)
+                posted = None
             if _wait_for_key(self.store, key, RECOVERY_SLICE_SECONDS):
                 break
             if time.monotonic() > deadline:
@@ -220,36 +221,41 @@ class MembershipAgent:
                 raise MembershipError(f"survivors {missing} did not report their progress within {timeout:.0f} s")
         return self._take(Decision.from_json(self.store.get(key)))
 
-    def _propose_recovery(self, epoch: int) -> None:
-        """Fix epoch ``epoch``'s recovery decision if every survivor (as the changes pending now
-        say) has posted its progress; else leave it to the survivor that completes the count."""
-        pending = self._read_pending()
+    def _propose_recovery(self, epoch: int, pending: list[Change], count: int | None = None) -> None:
+        """Fix epoch ``epoch``'s recovery decision if every survivor (as ``pending``, the changes
+        so far, says) has posted its progress; else leave it to the survivor that completes the
+        count. ``count``: the posts counted so far, when this survivor's own post just read it."""
         changes = tuple(pending[self.applied :])
         survivors = self._survivors(changes)
         posted = [proto.progress_key(epoch, s) for s in survivors]
-        if int(self.store.add(proto.progress_count_key(epoch), 0)) < len(survivors) or not self.store.check(posted):
+        if count is None:
+            count = int(self.store.add(proto.progress_count_key(epoch), 0))
+        if count < len(survivors) or not self.store.check(posted):
             return
         done = min(Progress.from_json(value).done for value in self.store.multi_get(posted))
         nxt = self._next(changes, done) or Membership(epoch + 1, self.current.members, done)
         proposal = Decision(epoch, done, len(pending), changes, nxt)
         self.store.compare_set(proto.recovery_key(epoch), "", proposal.to_json())
 
-    def _post_progress(self, epoch: int, progress: Progress) -> None:
-        """Post this survivor's progress in ``epoch``, and count it once."""
+    def _post_progress(self, epoch: int, progress: Progress) -> int | None:
+        """Post this survivor's progress in ``epoch``, and count it once; returns the count after
+        this post (None when it was posted before)."""
         key = proto.progress_key(epoch, self.slot)
         first = not self.store.check([key])
         self.store.set(key, progress.to_json())
         if first:
-            self.store.add(proto.progress_count_key(epoch), 1)
+            return int(self.store.add(proto.progress_count_key(epoch), 1))
+        return None
 
     def _wait_for_failure(self, slots: set[int], detect_timeout: float) -> None:
         """Until a failure among ``slots`` is published: blocks on this slot's next alert key (the
         coordinator sets it with every change), probing every PROBE_AFTER_SECONDS."""
         started, probes = time.monotonic(), 0
         while True:
-            alerts = int(self.store.add(proto.ALERT, 0))
-            if self.failure_among(slots):
+            pending = self._read_pending()
+            if self._failure_in(pending, slots):
                 return
+            alerts = len(pending)
             waited = time.monotonic() - started
             if waited > detect_timeout:
                 raise MembershipError(

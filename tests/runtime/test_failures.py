@@ -277,6 +277,34 @@ def test_a_member_killed_after_every_member_entered_the_new_epoch(tmp_path, tmp_
     assert "epoch 2 from iteration 3: left [] failed [(0, 1), (1, 0)] joined []" in survivor, survivor[-3000:]
 
 
+def test_a_member_killed_before_its_pair_groups_exist_stops_no_survivor(tmp_path, tmp_path_factory):
+    """pp=3 x dp=2: worker (1, 2) is killed during F of iteration 3; worker (0, 0), rank 0 of the
+    next world, parks on entering it (no group of it exists) and is killed there. The survivors
+    that exchange messages with it connect their pair groups first with it: the group's lookup of
+    its address holds the world's store client until the group timeout. A survivor that made its
+    next pair group after that (every group publishes its address on that client) waited there in
+    C++, beyond the failure flag (seen in a fault campaign: 40 s). Each survivor makes all its groups
+    before it connects any, so every one stops at the flag and recovers within seconds. Fixed costs
+    (no profile): the profile exchange, a collective over the world at an epoch's first iteration,
+    would otherwise meet the dead member before any pair group."""
+    pp, dp = 3, 2
+    reference = fault_free(tmp_path_factory, pp, dp, STEPS, "adam")
+    first, building = slot(dp, 1, 2), slot(dp, 0, 0)
+    config = job_config()
+    config["recycle"]["profile"] = False
+    job = Job(tmp_path, pp, dp, STEPS, config, "adam", traps=[f"{first}:F:3", f"{building}:building:3"])
+    job.start()
+    try:
+        run_faults(job, [([first, building], signal.SIGKILL)])
+    except BaseException:
+        job.kill()
+        raise
+    check(job, reference, 2)
+    logs = "\n".join(path.read_text() for path in sorted((job.tmp / "logs").glob("*.log")))
+    recovered = [int(ms) for ms in re.findall(r"recovered (\d+) ms after the failure", logs)]
+    assert recovered and max(recovered) < 10_000, recovered
+
+
 def test_a_joiner_gives_up_when_a_member_dies_before_its_state_arrives(tmp_path, tmp_path_factory):
     """pp=2 x dp=2: worker (0, 1) is killed during F of iteration 3. Once its respawn is admitted,
     worker (1, 0) parks on entering the join's epoch (every member counted in, no group of it yet)
