@@ -179,8 +179,7 @@ class PairLinks:
         options = dist.ProcessGroupGloo._Options()
         options._timeout = datetime.timedelta(seconds=self.timeout)
         options._threads = 1
-        # A device of its own: lazily connecting groups on one device would share their sequence numbers.
-        options._devices = [dist.ProcessGroupGloo.create_default_device(lazy_init=True)]
+        options._devices = _pair_devices()
         store = dist.PrefixStore(f"{self.prefix}/{low}_{high}/", self.store)
         return dist.ProcessGroupGloo(store, 0 if self.rank == low else 1, 2, options)
 
@@ -201,6 +200,16 @@ class PairLinks:
                 f"{sorted(self.connected)}); every pair a plan uses must be connected first (PeerChannel.connect)"
             )
         return self.groups[peer]
+
+
+def _pair_devices() -> list:
+    """A pair group's own gloo devices (lazily connecting groups on one device would share their
+    sequence numbers), on the interfaces ``GLOO_SOCKET_IFNAME`` names, as torch picks them for a
+    group it makes itself; else on the address the host's name resolves to."""
+    interfaces = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    if len(interfaces) > 1:
+        return [dist.ProcessGroupGloo.create_device(interface=name, lazy_init=True) for name in interfaces.split(",")]
+    return [dist.ProcessGroupGloo.create_default_device(lazy_init=True)]
 
 
 @dataclass
