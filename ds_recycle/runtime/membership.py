@@ -196,13 +196,28 @@ class MembershipAgent:
         the wait each survivor looks again whether every remaining survivor has posted. A failure of
         one of ``running`` (the members this process was running with) must be published within
         ``detect_timeout``; after PROBE_AFTER_SECONDS without one the agent asks the coordinator to
-        look for a member whose end it did not count as a failure."""
+        look for a member whose end it did not count as a failure.
+
+        A boundary decision can make the next epoch while a failure stops this survivor: the
+        members that reached the boundary first took it, and they recover in the new epoch. A
+        survivor that looked before that epoch was published waits in the old one, whose decision
+        can then never be made (those members will not post there): when a slice of its wait
+        passes, it looks whether a newer epoch exists, and recovers in that one."""
+        deadline = time.monotonic() + timeout
+        while True:
+            decision = self._recover_in_latest(progress, running, detect_timeout, deadline, timeout)
+            if decision is not None:
+                return decision
+
+    def _recover_in_latest(
+        self, progress: Progress, running: tuple[int, ...], detect_timeout: float, deadline: float, timeout: float
+    ) -> Decision | None:
+        """:meth:`recover` in the latest epoch decided; None if a newer one was decided meanwhile."""
         self.refresh()
         epoch = self.current.epoch
         self._wait_for_failure(set(running) | concerned(self.current, self.current, self.store), detect_timeout)
         posted = self._post_progress(epoch, progress)
         key = proto.recovery_key(epoch)
-        deadline = time.monotonic() + timeout
         looked_at = None
         while True:
             # After this survivor's post: a change published before it is seen here, and a later
@@ -214,6 +229,9 @@ class MembershipAgent:
                 posted = None
             if _wait_for_key(self.store, key, RECOVERY_SLICE_SECONDS):
                 break
+            if int(self.store.get(proto.CURRENT_EPOCH)) > epoch:
+                logger.info(f"ReCycle: slot {self.slot}: epoch {epoch} was superseded in its recovery; recovering anew")
+                return None
             if time.monotonic() > deadline:
                 survivors = self._survivors(tuple(self._read_pending()[self.applied :]))
                 posted = [proto.progress_key(epoch, s) for s in survivors]

@@ -523,3 +523,49 @@ def test_a_link_whose_renewals_stop_fences_its_node():
         assert "no lease renewal" in fenced[0]
     finally:
         link.stop()
+
+
+def test_a_survivor_waiting_in_an_epoch_a_boundary_superseded_recovers_in_the_new_one(harness):
+    """Slot 3's leave is accepted. Slot 0 is stopped by a failure before the boundary and looks at
+    the membership first (epoch 0); slots 1 and 2 then reach the boundary and decide epoch 1 without
+    slot 3, which dies in its last iteration. Slots 1 and 2 recover in epoch 1, slot 0 posted in
+    epoch 0, whose decision nobody else will make: it must see epoch 1 and recover there, so that all
+    three hold one decision (seen in a fault campaign: the survivors waited for each other in two
+    epochs until the timeout)."""
+    import threading
+
+    from ds_recycle.runtime.membership import MembershipAgent
+
+    h = harness
+    agents = {}
+    for slot in (0, 1, 2):
+        agent = MembershipAgent(f"127.0.0.1:{h.server.port}", slot, TOKEN, 0, 0)
+        agent.store = agent.connect()
+        agent.current = proto.read_membership(agent.store)
+        agents[slot] = agent
+    decisions: dict[int, object] = {}
+
+    def recover(slot: int, done: int) -> None:
+        try:
+            decisions[slot] = agents[slot].recover(proto.Progress(done, False), (0, 1, 2, 3), 10.0, 8.0)
+        except Exception as error:  # reported by the assertion below
+            decisions[slot] = error
+
+    h.request(proto.LEAVE, 3)
+    h.wait_for_line("accepted leave of slot 3")
+    late = threading.Thread(target=recover, args=(0, 5))
+    late.start()
+    time.sleep(0.5)  # slot 0 looked at the membership (epoch 0) and waits for the failure
+    _decide_at_boundary(h, (0, 1, 2), 0)
+    h.coordinator.rank_exited(RankExit(slot=3, incarnation=0, returncode=-9, observed=time.time()))
+    h.wait_for_line("published failure of slot 3")
+    others = [threading.Thread(target=recover, args=(slot, 6)) for slot in (1, 2)]
+    for thread in others:
+        thread.start()
+    for thread in [late, *others]:
+        thread.join(timeout=20)
+    assert sorted(decisions) == [0, 1, 2], decisions
+    assert all(isinstance(d, proto.Decision) for d in decisions.values()), decisions
+    assert len({d.to_json() for d in decisions.values()}) == 1, decisions
+    decision = decisions[0]
+    assert decision.epoch == 1 and decision.iteration == 5 and decision.next.members == (0, 1, 2)
