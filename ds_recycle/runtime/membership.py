@@ -229,7 +229,9 @@ class MembershipAgent:
                 posted = None
             if _wait_for_key(self.store, key, RECOVERY_SLICE_SECONDS):
                 break
-            if int(self.store.get(proto.CURRENT_EPOCH)) > epoch:
+            # A newer epoch: made by this recovery's decision (its key is set before the epoch is
+            # published), or by a boundary this survivor did not see.
+            if int(self.store.get(proto.CURRENT_EPOCH)) > epoch and not self.store.check([key]):
                 logger.info(f"ReCycle: slot {self.slot}: epoch {epoch} was superseded in its recovery; recovering anew")
                 return None
             if time.monotonic() > deadline:

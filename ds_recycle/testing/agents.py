@@ -221,6 +221,8 @@ def wait_until(condition: Callable[[], bool], what: str, agents: list, timeout: 
         if condition():
             return
         if agents and all(a.proc.poll() is not None for a in agents):
+            if condition():  # it may have come true as the last agent ended, after the look above
+                return
             break  # nothing left to wait for
         time.sleep(0.02)
     raise AssertionError(
