@@ -65,6 +65,7 @@ survivors and on a joiner that the recovery admitted alike.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -146,7 +147,9 @@ class StageStepper:
     def clip(self) -> float:
         return float(self.engine.gradient_clipping() or 0.0)
 
+    @functools.cached_property
     def peers(self) -> set[tuple[int, int]]:
+        """:func:`step_peers` of this stepper's grid (fixed for its life: one epoch)."""
         return step_peers(self.grid)
 
     def tied_peers(self) -> set[tuple[int, int]]:

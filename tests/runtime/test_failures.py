@@ -80,7 +80,9 @@ def kill_while_a_join_is_pending(job: Job, joiner: int, victim: int, wait_for_vi
         raise
 
 
-def check(job: Job, reference: dict, faults: int) -> None:
+def check(job: Job, reference: dict, faults: int) -> list[int]:
+    """The job ended equal to the fault-free run; returns every survivor's distinct recovery
+    latencies (ms from the failure)."""
     code = job.finish()
     assert code == 0, job.log_tail()
     logs = "\n".join(path.read_text() for path in sorted((job.tmp / "logs").glob("*.log")))
@@ -88,6 +90,7 @@ def check(job: Job, reference: dict, faults: int) -> None:
     assert job.count(r"published failure of slot") >= faults
     print(f"{faults} failures; kill to recovered (ms, distinct values over the survivors): {recovered}")
     assert_same_as_fault_free(job, reference, STEPS)
+    return recovered
 
 
 @pytest.mark.parametrize(
@@ -299,9 +302,7 @@ def test_a_member_killed_before_its_pair_groups_exist_stops_no_survivor(tmp_path
     except BaseException:
         job.kill()
         raise
-    check(job, reference, 2)
-    logs = "\n".join(path.read_text() for path in sorted((job.tmp / "logs").glob("*.log")))
-    recovered = [int(ms) for ms in re.findall(r"recovered (\d+) ms after the failure", logs)]
+    recovered = check(job, reference, 2)
     assert recovered and max(recovered) < 10_000, recovered
 
 
