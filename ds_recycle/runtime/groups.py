@@ -8,8 +8,9 @@ parts of DeepSpeed's grid API that the engine uses, so it replaces ``engine.grid
 ``engine.mpu`` in place.
 
 Every epoch gets a fresh world on its own store prefix (``world/<epoch>/``): the old default group
-is destroyed and its groups are kept in a graveyard, never reused and never released from a thread
-that might block on them (docs/design.md, "Process groups").
+is destroyed and its groups are kept in a graveyard, never reused, and released only once every op
+that could still be stuck on them has reached its timeout (:class:`Graveyard`; docs/design.md,
+"Process groups").
 
 Every group ReCycle makes connects lazily (gloo's ``TORCH_GLOO_LAZY_INIT``): creating it publishes
 this rank's address and returns, and a pair of ranks connects at its first op. An eager gloo group
@@ -30,10 +31,13 @@ peers, not with the world.
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import ctypes
 import datetime
+import math
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -41,21 +45,94 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from ds_recycle.log import logger
 from ds_recycle.planner.plan import Worker
 from ds_recycle.runtime import protocol as proto
 from ds_recycle.runtime.protocol import Membership
 
 GROUP_TIMEOUT_SECONDS = 120.0
-"""Every group's op timeout: a backstop only, failure detection does not wait for it."""
+"""The default op timeout of ReCycle's groups: a backstop only, failure detection does not wait for it."""
+GROUP_TIMEOUT_VARIABLE = "DS_RECYCLE_GROUP_TIMEOUT"
+RELEASE_AFTER_TIMEOUTS = 2
+"""A world's groups are released this many group timeouts after the world was left."""
+
+
+def group_timeout(environ=os.environ) -> float:
+    """The op timeout of every group ReCycle makes: ``DS_RECYCLE_GROUP_TIMEOUT`` seconds, else
+    GROUP_TIMEOUT_SECONDS. It bounds how long an op on a dead peer's group can stay stuck, hence
+    how long a left world's groups are kept (:class:`Graveyard`)."""
+    value = environ.get(GROUP_TIMEOUT_VARIABLE)
+    if value is None or value == "":
+        return GROUP_TIMEOUT_SECONDS
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not 1.0 <= seconds <= 86400.0:
+        raise ValueError(f"{GROUP_TIMEOUT_VARIABLE}={value!r}: must be a number of seconds from 1 to 86400")
+    return seconds
+
+
+@dataclass
+class Graveyard:
+    """The process groups (and their pending work) of the worlds this process left.
+
+    A gloo group released while an op on it is stuck blocks the releasing thread, and one released
+    at interpreter exit with a stuck op aborts the process; so a left world's groups stay alive
+    (one reference more than anything else holds) until ``keep_seconds`` after the world was left.
+    Every op and connection on them started before that and is bounded by the group timeout, so by
+    then each has ended, and their release (threads joined, sockets closed, the world's store
+    client among them) cannot block. Kept for ever, each epoch would cost every rank a few threads
+    and descriptors and the store one connection per rank."""
+
+    keep_seconds: float
+    _current: list = field(default_factory=list)
+    """The current world's groups and work, buried while it is in use."""
+    _left: collections.deque = field(default_factory=collections.deque)
+    """(when the world was left, its groups and work), oldest first."""
+    released: int = 0
+
+    def bury(self, objects) -> None:
+        """Keep ``objects`` alive until the current world was left ``keep_seconds`` ago."""
+        for obj in objects:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+            self._current.append(obj)
+
+    def world_left(self, now: float) -> None:
+        self._left.append((now, self._current))
+        self._current = []
+
+    def release(self, now: float) -> int:
+        """Release the groups of every world left ``keep_seconds`` before ``now``; how many objects."""
+        count = 0
+        while self._left and now - self._left[0][0] >= self.keep_seconds:
+            _, objects = self._left.popleft()
+            for obj in objects:
+                ctypes.pythonapi.Py_DecRef(ctypes.py_object(obj))
+            count += len(objects)
+            objects.clear()
+        self.released += count
+        return count
+
+    @property
+    def worlds_kept(self) -> int:
+        return len(self._left)
+
+
+_graveyard: Graveyard | None = None
+
+
+def graveyard() -> Graveyard:
+    global _graveyard
+    if _graveyard is None:
+        _graveyard = Graveyard(RELEASE_AFTER_TIMEOUTS * group_timeout())
+    return _graveyard
 
 
 def bury(objects) -> None:
-    """Keep process groups (and their pending work) alive until the process ends, and beyond: a gloo
-    group released while an op on it is stuck blocks the releasing thread, and one released at
-    interpreter exit with a stuck op aborts the process. They are never freed; each costs a few
-    file descriptors and threads."""
-    for obj in objects:
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+    """Keep process groups (or their pending work) of the current world alive until well after the
+    world is left (:class:`Graveyard`)."""
+    graveyard().bury(objects)
 
 
 LAZY_INIT_VARIABLE = "TORCH_GLOO_LAZY_INIT"
@@ -81,16 +158,28 @@ def new_group(ranks: list[int], timeout: float):
         return dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout))
 
 
-def rebuild_world(store, membership: Membership, slot: int, timeout: float = GROUP_TIMEOUT_SECONDS) -> None:
+def rebuild_world(store, membership: Membership, slot: int, timeout: float | None = None) -> None:
     """Leave the current world (if any) and join the world of ``membership`` on its own prefix.
-    Returns at once: the world connects lazily.
+    Returns at once: the world connects lazily. ``timeout``: the groups' op timeout (default
+    :func:`group_timeout`).
 
     The world gets its own connection to the store (``store.clone()``): gloo looks up a peer's
     address in its own threads, and a lookup of a dead peer's address blocks its connection until
     the group timeout; on the caller's connection it would block the membership protocol too."""
+    timeout = group_timeout() if timeout is None else timeout
     if dist.is_initialized():  # the previous epoch's, or a joiner's fake world
+        # Once released, the world's id can be a later world's: its count must not carry over.
+        _links_made.pop(id(c10d._get_default_group()), None)
         bury(c10d._world.pg_map.keys())
         dist.destroy_process_group()
+        left = graveyard()
+        left.world_left(time.monotonic())
+        released = left.release(time.monotonic())
+        if released:
+            logger.info(
+                f"ReCycle: released {released} process groups and works of worlds left over "
+                f"{left.keep_seconds:g} s ago; {left.worlds_kept} left worlds kept"
+            )
     global _leaving_at_exit
     if not _leaving_at_exit:
         _leaving_at_exit = True
@@ -125,7 +214,8 @@ PAIR_PREFIX = "pair"
 for the k-th :class:`PairLinks` of that world (several engines can share one world)."""
 
 _links_made: dict[int, int] = {}
-"""By world (the default group's id): how many :class:`PairLinks` this process made on it."""
+"""By world (the default group's id, while it is the current world): how many :class:`PairLinks`
+this process made on it."""
 
 
 @dataclass
