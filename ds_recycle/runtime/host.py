@@ -25,6 +25,7 @@ ended (or died), starting a new generation when the ranks asked for a restart fr
 from __future__ import annotations
 
 import hmac
+import resource
 import signal
 import time
 from collections.abc import Callable
@@ -40,6 +41,35 @@ CHECK_IN_POLL_SECONDS = 0.05
 TIMEOUT_EXIT_CODE = 124
 FAILURE_EXIT_CODE = 1
 LOG_PREFIX = "[ds-recycle coordinator]"
+
+
+STORE_CLIENTS_PER_RANK = 4
+"""A rank's connections to the store: its agent's, its failure watcher's, its world's, and a left
+world's until that world's groups are released (a burst of epochs holds a few more for a while)."""
+STORE_CLIENTS_PER_NODE = 3
+"""A node's agent: its link's two clients, and one while it waits for a generation."""
+
+
+def raise_descriptor_limit() -> tuple[int, int]:
+    """Raise this process's soft limit on open descriptors to its hard limit (the ranks it starts
+    inherit it); returns (soft, hard) as they are now. A store at thousands of ranks, or a rank
+    that went through many epochs, needs more than the common soft default of 1,024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
+def descriptor_shortfall(config: HostConfig, limit: int) -> str | None:
+    """Why ``limit`` descriptors may not serve the store of ``config``'s job; None if they should."""
+    needed = config.world_size * STORE_CLIENTS_PER_RANK + config.nnodes * STORE_CLIENTS_PER_NODE + 64
+    if limit == resource.RLIM_INFINITY or limit >= needed:
+        return None
+    return (
+        f"the store may serve about {needed} connections ({config.world_size} ranks x {STORE_CLIENTS_PER_RANK}, "
+        f"{config.nnodes} node agents x {STORE_CLIENTS_PER_NODE}, and its own) but this process may open only "
+        f"{limit} descriptors (ulimit -Hn): raise the hard limit, or ranks fail to connect once it is reached"
+    )
 
 
 class NodesMissing(RuntimeError):
@@ -102,6 +132,10 @@ class CoordinatorHost:
         import torch.distributed as dist
 
         config = self.config
+        _, limit = raise_descriptor_limit()
+        shortfall = descriptor_shortfall(config, limit)
+        if shortfall is not None:
+            self._log(f"warning: {shortfall}")
         self._server = dist.TCPStore(
             config.host, config.port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
         )

@@ -53,7 +53,7 @@ from pathlib import Path
 
 from ds_recycle.runtime import protocol as proto
 from ds_recycle.runtime.coordinator import Coordinator, HeartbeatPolicy, RankExit, describe_returncode
-from ds_recycle.runtime.host import CoordinatorHost, HostConfig, NodesMissing
+from ds_recycle.runtime.host import CoordinatorHost, HostConfig, NodesMissing, raise_descriptor_limit
 from ds_recycle.runtime.node import CoordinatorGone, NodeLink, NodeRefused, await_generation
 from ds_recycle.runtime.preload import PreloadedProcess, Preloader, PreloadError, check_argv, die_with_parent
 from ds_recycle.runtime.protocol import Membership
@@ -271,6 +271,7 @@ class Launcher:
         self.events.open()
         code = None
         try:
+            raise_descriptor_limit()  # for the store this agent may host, and for its ranks
             self._host_store()
             self._truncate_logs()
             try:
