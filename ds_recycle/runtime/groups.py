@@ -37,6 +37,8 @@ import ctypes
 import datetime
 import math
 import os
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -47,6 +49,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from ds_recycle.log import logger
 from ds_recycle.planner.plan import Worker
+from ds_recycle.runtime import exit_guard
 from ds_recycle.runtime import protocol as proto
 from ds_recycle.runtime.protocol import Membership
 
@@ -77,13 +80,14 @@ def group_timeout(environ=os.environ) -> float:
 class Graveyard:
     """The process groups (and their pending work) of the worlds this process left.
 
-    A gloo group released while an op on it is stuck blocks the releasing thread, and one released
-    at interpreter exit with a stuck op aborts the process; so a left world's groups stay alive
-    (one reference more than anything else holds) until ``keep_seconds`` after the world was left.
-    Every op and connection on them started before that and is bounded by the group timeout, so by
-    then each has ended, and their release (threads joined, sockets closed, the world's store
-    client among them) cannot block. Kept for ever, each epoch would cost every rank a few threads
-    and descriptors and the store one connection per rank."""
+    Dropping the last reference to a gloo group joins its worker threads, which blocks while an op
+    on it is stuck or queued behind a stuck one (each waits up to the group timeout, one after the
+    other), and at interpreter exit it aborts the process. So a left world's groups are kept alive
+    (one reference more than anything else holds) until ``keep_seconds`` after the world was left,
+    and then released in a thread of their own (:func:`release`), only once nothing but the
+    graveyard holds them: that thread, not the training loop, waits for whatever is still queued
+    on them. Kept for ever, each epoch would cost every rank a few threads and descriptors and the
+    store one connection per rank."""
 
     keep_seconds: float
     _current: list = field(default_factory=list)
@@ -102,21 +106,44 @@ class Graveyard:
         self._left.append((now, self._current))
         self._current = []
 
-    def release(self, now: float) -> int:
-        """Release the groups of every world left ``keep_seconds`` before ``now``; how many objects."""
-        count = 0
+    def take_expired(self, now: float) -> list:
+        """The objects of every world left ``keep_seconds`` before ``now`` that nothing else holds
+        any more, out of the graveyard (still with its extra reference: :func:`release` drops it).
+        An object something else still holds stays, so that its last reference is never dropped
+        by the thread that happens to drop that other one."""
+        expired, still_held = [], []
         while self._left and now - self._left[0][0] >= self.keep_seconds:
             _, objects = self._left.popleft()
             for obj in objects:
-                ctypes.pythonapi.Py_DecRef(ctypes.py_object(obj))
-            count += len(objects)
+                # the graveyard's list, its extra reference, ``obj`` and getrefcount's argument
+                (expired if sys.getrefcount(obj) <= 4 else still_held).append(obj)
             objects.clear()
-        self.released += count
-        return count
+        if still_held:
+            self._left.appendleft((now - self.keep_seconds, still_held))
+        self.released += len(expired)
+        return expired
 
     @property
     def worlds_kept(self) -> int:
         return len(self._left)
+
+
+def release(objects: list, why: str) -> threading.Thread:
+    """Drop the graveyard's last references to ``objects`` in a thread of its own, which joins
+    their threads and closes their sockets. While it runs, the process's exit does not wait for it
+    beyond a grace (:mod:`~ds_recycle.runtime.exit_guard`)."""
+
+    def run() -> None:
+        began, count = time.monotonic(), len(objects)
+        for obj in objects:
+            ctypes.pythonapi.Py_DecRef(ctypes.py_object(obj))
+        objects.clear()
+        logger.info(f"ReCycle: released {count} process groups and works {why} in {time.monotonic() - began:.2f} s")
+
+    thread = threading.Thread(target=run, name="recycle-group-release", daemon=True)
+    exit_guard.abandoned(thread)
+    thread.start()
+    return thread
 
 
 _graveyard: Graveyard | None = None
@@ -174,12 +201,9 @@ def rebuild_world(store, membership: Membership, slot: int, timeout: float | Non
         dist.destroy_process_group()
         left = graveyard()
         left.world_left(time.monotonic())
-        released = left.release(time.monotonic())
-        if released:
-            logger.info(
-                f"ReCycle: released {released} process groups and works of worlds left over "
-                f"{left.keep_seconds:g} s ago; {left.worlds_kept} left worlds kept"
-            )
+        expired = left.take_expired(time.monotonic())
+        if expired:
+            release(expired, f"of worlds left over {left.keep_seconds:g} s ago ({left.worlds_kept} left worlds kept)")
     global _leaving_at_exit
     if not _leaving_at_exit:
         _leaving_at_exit = True

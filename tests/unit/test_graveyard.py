@@ -7,7 +7,13 @@ import weakref
 
 import pytest
 
-from ds_recycle.runtime.groups import GROUP_TIMEOUT_SECONDS, GROUP_TIMEOUT_VARIABLE, Graveyard, group_timeout
+from ds_recycle.runtime.groups import (
+    GROUP_TIMEOUT_SECONDS,
+    GROUP_TIMEOUT_VARIABLE,
+    Graveyard,
+    group_timeout,
+    release,
+)
 from ds_recycle.testing.rebuild import measure_epochs
 
 
@@ -15,7 +21,7 @@ class Group:
     """Stands for a process group: an object only the graveyard keeps alive."""
 
 
-def test_a_left_world_is_released_only_after_the_keep_time():
+def test_a_left_world_is_released_after_the_keep_time_by_a_thread_of_its_own():
     graveyard = Graveyard(keep_seconds=10.0)
     first, second = Group(), Group()
     alive = [weakref.ref(first), weakref.ref(second)]
@@ -23,21 +29,40 @@ def test_a_left_world_is_released_only_after_the_keep_time():
     graveyard.world_left(now=100.0)
     graveyard.bury([second])  # the next world's, still in use
     del first, second
-    gc.collect()
 
-    assert graveyard.release(now=109.9) == 0
+    assert graveyard.take_expired(now=109.9) == []
     assert alive[0]() is not None and graveyard.worlds_kept == 1
-    assert graveyard.release(now=110.0) == 1
+    expired = graveyard.take_expired(now=110.0)
+    assert [ref() for ref in alive[:1]] == expired and graveyard.worlds_kept == 0
+    del expired[:]
+    gc.collect()
+    assert alive[0]() is not None, "taken out of the graveyard, it still holds its extra reference"
+
+    first = alive[0]()
+    objects = [first]
+    del first
+    release(objects, "in the test").join(timeout=10)
     gc.collect()
     assert alive[0]() is None, "the left world's group outlived its release"
     assert alive[1]() is not None, "the current world's group was released while in use"
-    assert graveyard.worlds_kept == 0 and graveyard.released == 1
 
-    graveyard.world_left(now=120.0)
-    assert graveyard.release(now=125.0) == 0
-    assert graveyard.release(now=1000.0) == 1
+
+def test_a_left_group_something_else_still_holds_stays_until_it_is_the_last_holder():
+    graveyard = Graveyard(keep_seconds=1.0)
+    held = Group()
+    alive = weakref.ref(held)
+    graveyard.bury([held])
+    graveyard.world_left(now=0.0)
+
+    assert graveyard.take_expired(now=5.0) == [], "the engine's old grid still holds it"
+    assert graveyard.worlds_kept == 1
+    del held
     gc.collect()
-    assert alive[1]() is None
+    expired = graveyard.take_expired(now=6.0)
+    assert len(expired) == 1 and expired[0] is alive()
+    release(expired, "in the test").join(timeout=10)
+    gc.collect()
+    assert alive() is None and graveyard.released == 1
 
 
 def test_the_group_timeout_comes_from_the_environment_and_bad_values_are_named():
