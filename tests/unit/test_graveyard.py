@@ -88,7 +88,7 @@ def test_ranks_going_through_many_epochs_hold_a_bounded_number_of_threads_and_so
     for slot, resources in rows.items():
         assert [r.epoch for r in resources] == list(range(2, epochs + 1))
         kept = [r.worlds_kept for r in resources]
-        assert max(kept) <= 12 and kept[-1] < epochs - 2, (slot, kept)
+        assert max(kept) <= 12 + 2 and kept[-1] < epochs - 2, (slot, kept)  # + the one just left, + one still held
         # One epoch adds about 11 threads and 19 descriptors to a rank while nothing is released.
         assert resources[-1].threads - resources[13].threads < 8, (slot, [r.threads for r in resources])
         assert resources[-1].descriptors - resources[13].descriptors < 12, (slot, [r.descriptors for r in resources])
