@@ -81,7 +81,7 @@ from ds_recycle.runtime import exit_guard, placement
 from ds_recycle.runtime import protocol as proto
 from ds_recycle.runtime.distributed import membership_agent
 from ds_recycle.runtime.events import IterationStats, MembershipChange, Monitor, PlanSummary
-from ds_recycle.runtime.groups import RecycleGrid, bury, group_timeout
+from ds_recycle.runtime.groups import GROUP_TIMEOUT_SECONDS, RecycleGrid, bury
 from ds_recycle.runtime.protocol import Membership
 from ds_recycle.runtime.recovery import RankRuntime
 from ds_recycle.runtime.waiting import PeerFailure, Waiter
@@ -226,7 +226,7 @@ class RecyclePipelineEngine(PipelineEngine):
         """(iteration, evaluations run since it): part of each evaluation's key."""
         self.waiter = Waiter()
         everyone = Membership(0, tuple(range(self.module._topo.world_size())), 0)
-        self.install_grid(RecycleGrid.build(self.module._topo, everyone, self.slot, group_timeout()))
+        self.install_grid(RecycleGrid.build(self.module._topo, everyone, self.slot, GROUP_TIMEOUT_SECONDS))
         logger.info(
             f"ReCycle engine on worker (pipeline {self.worker[0]}, stage {self.worker[1]}): "
             f"decoupled_backprop={self.recycle.decoupled_backprop} "

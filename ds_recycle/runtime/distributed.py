@@ -17,19 +17,17 @@ import torch.distributed as dist
 
 from ds_recycle.log import logger
 from ds_recycle.runtime import protocol as proto
-from ds_recycle.runtime.groups import group_timeout, rebuild_world
+from ds_recycle.runtime.groups import GROUP_TIMEOUT_SECONDS, rebuild_world
 from ds_recycle.runtime.membership import MembershipAgent
 
 _agent: MembershipAgent | None = None
 
 
-def init_distributed(dist_backend: str = "gloo", timeout: float | None = None) -> None:
-    """Initialize torch.distributed for this process (see the module doc). ``timeout``: the groups'
-    op timeout (default :func:`~ds_recycle.runtime.groups.group_timeout`)."""
+def init_distributed(dist_backend: str = "gloo", timeout: float = GROUP_TIMEOUT_SECONDS) -> None:
+    """Initialize torch.distributed for this process (see the module doc)."""
     global _agent
     if dist.is_initialized():
         return
-    timeout = group_timeout() if timeout is None else timeout
     _agent = MembershipAgent.from_env()
     if _agent is None:
         deepspeed.init_distributed(dist_backend=dist_backend, timeout=datetime.timedelta(seconds=timeout))

@@ -37,7 +37,6 @@ _installed = False
 def abandoned(thread: threading.Thread) -> None:
     """``thread`` is blocked in a wait nobody will collect."""
     install()
-    _abandoned[:] = [t for t in _abandoned if t.is_alive()]
     _abandoned.append(thread)
 
 

@@ -8,9 +8,8 @@ parts of DeepSpeed's grid API that the engine uses, so it replaces ``engine.grid
 ``engine.mpu`` in place.
 
 Every epoch gets a fresh world on its own store prefix (``world/<epoch>/``): the old default group
-is destroyed and its groups are kept in a graveyard, never reused, and released only once every op
-that could still be stuck on them has reached its timeout (:class:`Graveyard`; docs/design.md,
-"Process groups").
+is destroyed and its groups are kept in a graveyard, never reused and never released from a thread
+that might block on them (docs/design.md, "Process groups").
 
 Every group ReCycle makes connects lazily (gloo's ``TORCH_GLOO_LAZY_INIT``): creating it publishes
 this rank's address and returns, and a pair of ranks connects at its first op. An eager gloo group
@@ -31,15 +30,10 @@ peers, not with the world.
 from __future__ import annotations
 
 import atexit
-import collections
 import contextlib
 import ctypes
 import datetime
-import math
 import os
-import sys
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -47,119 +41,21 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from ds_recycle.log import logger
 from ds_recycle.planner.plan import Worker
-from ds_recycle.runtime import exit_guard
 from ds_recycle.runtime import protocol as proto
 from ds_recycle.runtime.protocol import Membership
 
 GROUP_TIMEOUT_SECONDS = 120.0
-"""The default op timeout of ReCycle's groups: a backstop only, failure detection does not wait for it."""
-GROUP_TIMEOUT_VARIABLE = "DS_RECYCLE_GROUP_TIMEOUT"
-RELEASE_AFTER_TIMEOUTS = 2
-"""A world's groups are released this many group timeouts after the world was left."""
-
-
-def group_timeout(environ=os.environ) -> float:
-    """The op timeout of every group ReCycle makes: ``DS_RECYCLE_GROUP_TIMEOUT`` seconds, else
-    GROUP_TIMEOUT_SECONDS. It bounds how long an op on a dead peer's group can stay stuck, hence
-    how long a left world's groups are kept (:class:`Graveyard`)."""
-    value = environ.get(GROUP_TIMEOUT_VARIABLE)
-    if value is None or value == "":
-        return GROUP_TIMEOUT_SECONDS
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = math.nan
-    if not 1.0 <= seconds <= 86400.0:
-        raise ValueError(f"{GROUP_TIMEOUT_VARIABLE}={value!r}: must be a number of seconds from 1 to 86400")
-    return seconds
-
-
-@dataclass
-class Graveyard:
-    """The process groups (and their pending work) of the worlds this process left.
-
-    Dropping the last reference to a gloo group joins its worker threads, which blocks while an op
-    on it is stuck or queued behind a stuck one (each waits up to the group timeout, one after the
-    other), and at interpreter exit it aborts the process. So a left world's groups are kept alive
-    (one reference more than anything else holds) until ``keep_seconds`` after the world was left,
-    and then released in a thread of their own (:func:`release`), only once nothing but the
-    graveyard holds them: that thread, not the training loop, waits for whatever is still queued
-    on them. Kept for ever, each epoch would cost every rank a few threads and descriptors and the
-    store one connection per rank."""
-
-    keep_seconds: float
-    _current: list = field(default_factory=list)
-    """The current world's groups and work, buried while it is in use."""
-    _left: collections.deque = field(default_factory=collections.deque)
-    """(when the world was left, its groups and work), oldest first."""
-    released: int = 0
-
-    def bury(self, objects) -> None:
-        """Keep ``objects`` alive until the current world was left ``keep_seconds`` ago."""
-        for obj in objects:
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
-            self._current.append(obj)
-
-    def world_left(self, now: float) -> None:
-        self._left.append((now, self._current))
-        self._current = []
-
-    def take_expired(self, now: float) -> list:
-        """The objects of every world left ``keep_seconds`` before ``now`` that nothing else holds
-        any more, out of the graveyard (still with its extra reference: :func:`release` drops it).
-        An object something else still holds stays, so that its last reference is never dropped
-        by the thread that happens to drop that other one."""
-        expired, still_held = [], []
-        while self._left and now - self._left[0][0] >= self.keep_seconds:
-            _, objects = self._left.popleft()
-            for obj in objects:
-                # the graveyard's list, its extra reference, ``obj`` and getrefcount's argument
-                (expired if sys.getrefcount(obj) <= 4 else still_held).append(obj)
-            objects.clear()
-        if still_held:
-            self._left.appendleft((now - self.keep_seconds, still_held))
-        self.released += len(expired)
-        return expired
-
-    @property
-    def worlds_kept(self) -> int:
-        return len(self._left)
-
-
-def release(objects: list, why: str) -> threading.Thread:
-    """Drop the graveyard's last references to ``objects`` in a thread of its own, which joins
-    their threads and closes their sockets. While it runs, the process's exit does not wait for it
-    beyond a grace (:mod:`~ds_recycle.runtime.exit_guard`)."""
-
-    def run() -> None:
-        began, count = time.monotonic(), len(objects)
-        for obj in objects:
-            ctypes.pythonapi.Py_DecRef(ctypes.py_object(obj))
-        objects.clear()
-        logger.info(f"ReCycle: released {count} process groups and works {why} in {time.monotonic() - began:.2f} s")
-
-    thread = threading.Thread(target=run, name="recycle-group-release", daemon=True)
-    exit_guard.abandoned(thread)
-    thread.start()
-    return thread
-
-
-_graveyard: Graveyard | None = None
-
-
-def graveyard() -> Graveyard:
-    global _graveyard
-    if _graveyard is None:
-        _graveyard = Graveyard(RELEASE_AFTER_TIMEOUTS * group_timeout())
-    return _graveyard
+"""Every group's op timeout: a backstop only, failure detection does not wait for it."""
 
 
 def bury(objects) -> None:
-    """Keep process groups (or their pending work) of the current world alive until well after the
-    world is left (:class:`Graveyard`)."""
-    graveyard().bury(objects)
+    """Keep process groups (and their pending work) alive until the process ends, and beyond: a gloo
+    group released while an op on it is stuck blocks the releasing thread, and one released at
+    interpreter exit with a stuck op aborts the process. They are never freed; each costs a few
+    file descriptors and threads."""
+    for obj in objects:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
 LAZY_INIT_VARIABLE = "TORCH_GLOO_LAZY_INIT"
@@ -185,25 +81,16 @@ def new_group(ranks: list[int], timeout: float):
         return dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout))
 
 
-def rebuild_world(store, membership: Membership, slot: int, timeout: float | None = None) -> None:
+def rebuild_world(store, membership: Membership, slot: int, timeout: float = GROUP_TIMEOUT_SECONDS) -> None:
     """Leave the current world (if any) and join the world of ``membership`` on its own prefix.
-    Returns at once: the world connects lazily. ``timeout``: the groups' op timeout (default
-    :func:`group_timeout`).
+    Returns at once: the world connects lazily.
 
     The world gets its own connection to the store (``store.clone()``): gloo looks up a peer's
     address in its own threads, and a lookup of a dead peer's address blocks its connection until
     the group timeout; on the caller's connection it would block the membership protocol too."""
-    timeout = group_timeout() if timeout is None else timeout
     if dist.is_initialized():  # the previous epoch's, or a joiner's fake world
-        # Once released, the world's id can be a later world's: its count must not carry over.
-        _links_made.pop(id(c10d._get_default_group()), None)
         bury(c10d._world.pg_map.keys())
         dist.destroy_process_group()
-        left = graveyard()
-        left.world_left(time.monotonic())
-        expired = left.take_expired(time.monotonic())
-        if expired:
-            release(expired, f"of worlds left over {left.keep_seconds:g} s ago ({left.worlds_kept} left worlds kept)")
     global _leaving_at_exit
     if not _leaving_at_exit:
         _leaving_at_exit = True
@@ -238,8 +125,7 @@ PAIR_PREFIX = "pair"
 for the k-th :class:`PairLinks` of that world (several engines can share one world)."""
 
 _links_made: dict[int, int] = {}
-"""By world (the default group's id, while it is the current world): how many :class:`PairLinks`
-this process made on it."""
+"""By world (the default group's id): how many :class:`PairLinks` this process made on it."""
 
 
 @dataclass

@@ -36,7 +36,7 @@ from ds_recycle.log import logger
 from ds_recycle.runtime import exit_guard, placement, rebalance, rejoin, reporting
 from ds_recycle.runtime import protocol as proto
 from ds_recycle.runtime.events import MembershipChange
-from ds_recycle.runtime.groups import GROUP_TIMEOUT_SECONDS, RecycleGrid, group_timeout, rebuild_world
+from ds_recycle.runtime.groups import GROUP_TIMEOUT_SECONDS, RecycleGrid, rebuild_world
 from ds_recycle.runtime.membership import EpochSuperseded, MembershipAgent
 from ds_recycle.runtime.protocol import RESTART_EXIT_CODE, STOP_EXIT_CODE, Change, Decision, Membership, Progress
 from ds_recycle.runtime.waiting import FailureWatcher, PeerFailure
@@ -316,8 +316,8 @@ class RankRuntime:
         announced = (lambda: False) if self.watcher is None else self.watcher.flag.is_set
         self.agent.enter(membership, announced, GROUP_TIMEOUT_SECONDS)
         self._enter_phase(Phase.BUILDING)
-        rebuild_world(self.agent.store, membership, self.engine.slot)
-        grid = RecycleGrid.build(self.engine.module._topo, membership, self.engine.slot, group_timeout())
+        rebuild_world(self.agent.store, membership, self.engine.slot, GROUP_TIMEOUT_SECONDS)
+        grid = RecycleGrid.build(self.engine.module._topo, membership, self.engine.slot, GROUP_TIMEOUT_SECONDS)
         self.engine.install_grid(grid)
         rejoin.transfer_state(self.engine, grid, decision.holders())
 

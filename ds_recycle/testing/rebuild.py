@@ -20,11 +20,9 @@ all-to-all over the world, which connects every pair.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import datetime
 import multiprocessing as mp
 import os
-import queue
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -156,111 +154,6 @@ def _rank(slot: int, pp: int, dp: int, port: int, connect: str, peers: list[int]
     elapsed = time.monotonic() - began
     _barrier(root, "built/2", len(everyone) - 1)
     _report(results, (elapsed, {op: n for op, n in COUNTS.items() if op != "bytes_read"}))
-
-
-@dataclass(frozen=True)
-class EpochResources:
-    """What one surviving rank holds after an epoch of :func:`measure_epochs`."""
-
-    epoch: int
-    threads: int
-    descriptors: int
-    worlds_kept: int
-    """Left worlds whose groups the rank still keeps (:class:`~ds_recycle.runtime.groups.Graveyard`)."""
-    store_descriptors: int
-    """The descriptors of the process serving the store (its client connections among them)."""
-
-
-def _epochs_rank(
-    slot: int, pp: int, dp: int, port: int, epochs: int, seconds: float, peers: list[int], results: mp.Queue
-) -> None:
-    """One rank of :func:`measure_epochs`: epoch 1 with every rank, then the survivors' epochs."""
-    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import torch
-    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
-
-    from ds_recycle.runtime.groups import RecycleGrid, bury, graveyard, group_timeout, rebuild_world
-    from ds_recycle.runtime.waiting import Waiter
-
-    root = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
-    topo = PipeDataParallelTopology(num_pp=pp, num_dp=dp)
-    everyone, victim = tuple(range(pp * dp)), pp * dp - 1
-    rebuild_world(root, Membership(1, everyone, 0), slot)
-    RecycleGrid.build(topo, Membership(1, everyone, 0), slot, group_timeout())
-    dist.all_reduce(torch.ones(1))
-    _barrier(root, "epoch/1", len(everyone))
-    if slot == victim:
-        _report(results, None)
-    # The victim is gone: this all-reduce fails, or stays stuck until the group timeout, as a
-    # survivor's op with a dead peer does; its world is left at once.
-    bury([dist.all_reduce(torch.ones(1), async_op=True)])
-    members = everyone[:-1]
-    for epoch in range(2, epochs + 1):
-        began = time.monotonic()
-        membership = Membership(epoch, members, epoch)
-        rebuild_world(root, membership, slot)
-        grid = RecycleGrid.build(topo, membership, slot, group_timeout())
-        grid.links.connect([members.index(peer) for peer in peers], Waiter())
-        dist.all_reduce(torch.ones(1), group=grid.stage_groups[grid.worker[1]])
-        _barrier(root, f"epoch/{epoch}", len(members))
-        row = EpochResources(
-            epoch,
-            len(os.listdir("/proc/self/task")),
-            len(os.listdir("/proc/self/fd")),
-            graveyard().worlds_kept,
-            0,
-        )
-        results.put((slot, row))
-        time.sleep(max(0.0, seconds - (time.monotonic() - began)))
-    _report(results, (slot, None))
-
-
-def measure_epochs(pp: int, dp: int, epochs: int, seconds: float) -> dict[int, list[EpochResources]]:
-    """P x D real gloo ranks: epoch 1 with all of them, then one ends (the survivors' op with it
-    stays stuck until its timeout) and the others go through ``epochs - 1`` more epochs, each
-    ``seconds`` long, as a rank's recoveries and re-joins would (a fresh world, its grid, the pairs
-    of the plan without the lost rank, a stage all-reduce). By epoch: what each survivor holds, and
-    the store's descriptors. Set ``DS_RECYCLE_GROUP_TIMEOUT`` (inherited by the ranks) to see left
-    worlds released within the run."""
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    results: mp.Queue = ctx.Queue()
-    victim = pp * dp - 1
-    peers = plan_peers(pp, dp, victim)
-    procs = [
-        ctx.Process(
-            target=_epochs_rank,
-            args=(s, pp, dp, server.port, epochs, seconds, peers.get(s, []), results),
-        )
-        for s in range(pp * dp)
-    ]
-    for proc in procs:
-        proc.start()
-    rows: dict[int, list[EpochResources]] = collections.defaultdict(list)
-    try:
-        ended = 0
-        deadline = time.monotonic() + TIMEOUT_SECONDS + epochs * seconds
-        while ended < len(procs):
-            try:
-                row = results.get(timeout=1.0)
-            except queue.Empty:
-                failed = [(s, proc.exitcode) for s, proc in enumerate(procs) if proc.exitcode not in (None, 0)]
-                if failed or time.monotonic() > deadline:
-                    raise RuntimeError(f"ranks (slot, exit code) {failed} failed, or not all ended in time") from None
-                continue
-            if row is None or row[1] is None:
-                ended += 1
-                continue
-            slot, resources = row
-            store = len(os.listdir("/proc/self/fd"))
-            rows[slot].append(dataclasses.replace(resources, store_descriptors=store))
-    finally:
-        for proc in procs:
-            proc.join(timeout=30.0)
-            if proc.is_alive():
-                proc.kill()
-    return dict(rows)
 
 
 def _report(results: mp.Queue, row: tuple | None) -> None:
