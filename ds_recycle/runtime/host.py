@@ -43,11 +43,15 @@ FAILURE_EXIT_CODE = 1
 LOG_PREFIX = "[ds-recycle coordinator]"
 
 
-STORE_CLIENTS_PER_RANK = 4
-"""A rank's connections to the store: its agent's, its failure watcher's, its world's, and a left
-world's until that world's groups are released (a burst of epochs holds a few more for a while)."""
+STORE_CLIENTS_PER_RANK = 2
+"""A rank's own connections to the store: its agent's and its failure watcher's..."""
+STORE_CLIENTS_PER_RANK_AND_EPOCH = 1
+"""...and one per epoch it went through: each world's own client (``groups.rebuild_world``), kept
+with the world's groups for the life of the rank."""
 STORE_CLIENTS_PER_NODE = 3
 """A node's agent: its link's two clients, and one while it waits for a generation."""
+MIN_EPOCHS = 64
+"""The store's host warns when its descriptor limit allows fewer epochs (failures, leaves, joins)."""
 
 
 def raise_descriptor_limit() -> tuple[int, int]:
@@ -61,14 +65,20 @@ def raise_descriptor_limit() -> tuple[int, int]:
 
 
 def descriptor_shortfall(config: HostConfig, limit: int) -> str | None:
-    """Why ``limit`` descriptors may not serve the store of ``config``'s job; None if they should."""
-    needed = config.world_size * STORE_CLIENTS_PER_RANK + config.nnodes * STORE_CLIENTS_PER_NODE + 64
-    if limit == resource.RLIM_INFINITY or limit >= needed:
+    """Why ``limit`` descriptors may not serve the store of ``config``'s job for MIN_EPOCHS
+    epochs; None if they should."""
+    if limit == resource.RLIM_INFINITY:
+        return None
+    fixed = config.world_size * STORE_CLIENTS_PER_RANK + config.nnodes * STORE_CLIENTS_PER_NODE + 64
+    epochs = (limit - fixed) // (config.world_size * STORE_CLIENTS_PER_RANK_AND_EPOCH)
+    if epochs >= MIN_EPOCHS:
         return None
     return (
-        f"the store may serve about {needed} connections ({config.world_size} ranks x {STORE_CLIENTS_PER_RANK}, "
-        f"{config.nnodes} node agents x {STORE_CLIENTS_PER_NODE}, and its own) but this process may open only "
-        f"{limit} descriptors (ulimit -Hn): raise the hard limit, or ranks fail to connect once it is reached"
+        f"this process may open {limit} descriptors (ulimit -Hn), and the store takes {STORE_CLIENTS_PER_RANK} "
+        f"connections per rank plus {STORE_CLIENTS_PER_RANK_AND_EPOCH} per rank and epoch ({config.world_size} "
+        f"ranks, {config.nnodes} node agents x {STORE_CLIENTS_PER_NODE}): {max(epochs, 0)} epochs (failures, "
+        f"leaves, joins) before ranks fail to connect; raise the hard limit to at least "
+        f"{fixed + MIN_EPOCHS * config.world_size * STORE_CLIENTS_PER_RANK_AND_EPOCH}"
     )
 
 
