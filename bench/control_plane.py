@@ -17,6 +17,10 @@ iterations that sleep) in worker processes; every store client counts its operat
 
 - with ``--capacity``, first: the store server's saturation point (2 processes x 32 clients sending
   small operations back to back), with the libuv backend and the classic one;
+- with ``--fan-out NODES ...``, first: the store's side of one decision made per node, which the
+  runtime does not do yet (``ds_recycle.testing.fanout``): each node's client posts one record and
+  counts it, the last one fixes the decision, every node reads it; from the alert to each node
+  holding it (16,384 ranks = 2,048 nodes);
 - with ``--rebuild P:D ...``, first: the cost of one epoch's process groups on P x D real gloo ranks
   (``ds_recycle.testing.rebuild``): one rank ends, the others build the next world, connect it and
   run a stage all-reduce, as a recovery does; every store operation (gloo's own included) is
@@ -25,7 +29,7 @@ iterations that sleep) in worker processes; every store client counts its operat
   until session 33 ("all"). Then the same arithmetic at 16,384 ranks, against the store's capacity.
 
     python bench/control_plane.py [--ranks 256 1024 4096 16384] [--workers 8] [--window 5] [--capacity]
-        [--rebuild 4:2 4:4 4:8 4:16 2:16 8:4] [--smoke]
+        [--rebuild 4:2 4:4 4:8 4:16 2:16 8:4] [--fan-out 256 2048] [--smoke]
 
 The last line: ``control plane at N ranks: process death -> X ms, node loss -> Y ms, steady load Z
 ops/s per node`` for the largest N run.
@@ -38,6 +42,7 @@ import statistics
 import sys
 import time
 
+from ds_recycle.testing.fanout import measure_fan_out
 from ds_recycle.testing.rebuild import CONNECTS, RebuildCost, measure_rebuild
 from ds_recycle.testing.scale import Harness, Shape, count_store_operations, store_capacity
 
@@ -174,6 +179,18 @@ def rebuild_rows(grids: list[tuple[int, int]], capacity: float | None) -> None:
         print(line, flush=True)
 
 
+def fan_out_rows(node_counts: list[int], workers: int) -> None:
+    print("the store's side of a decision made per node (one record per node, one read of the decision):")
+    print(f"{'nodes':>6} {'ranks':>6} {'held ms median / max':>22} {'ops/node':>8} {'ops':>7}")
+    for nodes in node_counts:
+        cost = measure_fan_out(nodes, workers)
+        print(
+            f"{nodes:>6} {nodes * PER_NODE:>6} {cost.median_ms:>10.0f} / {cost.max_ms:<9.0f} "
+            f"{cost.ops_per_node:>8.1f} {cost.ops_per_node * nodes:>7.0f}",
+            flush=True,
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[256, 1024, 4096, 16384])
@@ -193,9 +210,17 @@ def main(argv: list[str] | None = None) -> int:
         metavar="P:D",
         help="first, one epoch's process groups on P x D real gloo ranks",
     )
+    parser.add_argument(
+        "--fan-out",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="NODES",
+        help="first, the store's side of one decision made per node (what the 0.5 s goal needs)",
+    )
     args = parser.parse_args(argv)
     if args.smoke:
-        args.ranks, args.workers, args.window, args.rebuild = [24], 1, 1.0, [(2, 2), (2, 3)]
+        args.ranks, args.workers, args.window, args.rebuild, args.fan_out = [24], 1, 1.0, [(2, 2), (2, 3)], [16]
     if any(n % PER_NODE or n < 3 * PER_NODE for n in args.ranks):
         parser.error(f"--ranks: each N must be a multiple of {PER_NODE}, at least {3 * PER_NODE}")
     capacity = None
@@ -206,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"store capacity ({'libuv' if use_libuv else 'classic'} backend, 2 x 32 clients): {rate:.0f} ops/s")
     if args.rebuild:
         rebuild_rows(args.rebuild, capacity)
+    if args.fan_out:
+        fan_out_rows(args.fan_out, args.workers)
     count_store_operations()
     print(
         f"{'ranks':>6} {'nodes':>5} {'start s':>7} {'ops/s':>9} {'per node':>8} {'coord':>7} {'boundary ms':>12} "
