@@ -109,6 +109,7 @@ def run(ranks: int, workers: int, window: float, iteration: float, lease: float)
         recovered = [r for r in records if r[0] == "recovered"]
         row["death_bytes_per_rank"] = statistics.mean(r[5] for r in recovered) if recovered else 0
         row["death_ops_per_rank"] = statistics.mean(r[6] for r in recovered) if recovered else 0
+        row["death_watcher_ops_per_rank"] = statistics.mean(r[7] for r in recovered) if recovered else 0
         _collect(harness, "entered", 1, survivors, timeout=60.0, taken=records)
 
         harness.command(2, "kill_node", 2)
@@ -236,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     count_store_operations()
     print(
         f"{'ranks':>6} {'nodes':>5} {'start s':>7} {'ops/s':>9} {'per node':>8} {'coord':>7} {'boundary ms':>12} "
-        f"{'B/rank':>7} {'death ms (n)':>18} {'B/rank':>7} {'ops/rank':>8} {'node loss ms (n)':>20} {'hung':>4}"
+        f"{'B/rank':>7} {'death ms (n)':>18} {'B/rank':>7} {'ops/rank':>8} {'+watcher':>8} {'node loss ms (n)':>20} "
+        f"{'hung':>4}"
     )
     last = None
     for n in args.ranks:
@@ -250,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['ranks']:>6} {row['nodes']:>5} {row['start_s']:>7.1f} {row['ops_per_s']:>9.0f} "
             f"{row['ops_per_s_per_node']:>8.0f} {row['coordinator_ops_per_s']:>7.0f} {_fmt(row['boundary_ms']):>12} "
             f"{row['boundary_bytes_per_rank']:>7.0f} {_fmt(row['death_ms']):>18} {row['death_bytes_per_rank']:>7.0f} "
-            f"{row['death_ops_per_rank']:>8.1f} "
+            f"{row['death_ops_per_rank']:>8.1f} {row['death_watcher_ops_per_rank']:>8.1f} "
             f"{_fmt(row['node_ms']):>20} {row['declared_hung']:>4}",
             flush=True,
         )
@@ -259,9 +261,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if last["death_ops_per_rank"]:
         at = AT_SCALE
-        total = (at - 1) * last["death_ops_per_rank"]
-        line = f"a process death at {at} ranks: {total:.3g} store ops to the decision ({last['death_ops_per_rank']:.1f}"
-        line += f" per survivor at {last['ranks']} ranks)"
+        per_rank = last["death_ops_per_rank"] + last["death_watcher_ops_per_rank"]
+        total = (at - 1) * per_rank
+        line = (
+            f"a process death at {at} ranks: {total:.3g} store ops to the decision ({per_rank:.1f} per survivor at "
+            f"{last['ranks']} ranks: {last['death_ops_per_rank']:.1f} its recovery's, "
+            f"{last['death_watcher_ops_per_rank']:.1f} its failure watcher's)"
+        )
         if capacity:
             line += f", {total / capacity:.2f} s of the store's thread at {capacity:.0f} ops/s"
         print(line)

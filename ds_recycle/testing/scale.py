@@ -135,6 +135,8 @@ class EmulatedRank:
     stop: threading.Event = field(default_factory=threading.Event)
     connected: threading.Event = field(default_factory=threading.Event)
     watcher: FailureWatcher | None = None
+    watcher_ops: int = 0
+    """The watcher's store operations at the rank's last record."""
 
     def start(self) -> None:
         """Start the rank and wait until its three store clients are connected (thousands of
@@ -180,6 +182,7 @@ class EmulatedRank:
             decision = agent.decide(done)
             read, made = agent.store.bytes_read - before, agent.store.ops - ops
             self.records.append(("boundary", agent.slot, done, boundary, time.time(), read, made))
+            self.watcher_ops = self.watcher.store.ops
             if decision.next is not None:
                 if agent.slot not in decision.next.members:
                     return
@@ -194,7 +197,8 @@ class EmulatedRank:
         held = time.time()
         epoch = decision.next.epoch
         read, made = agent.store.bytes_read - before, agent.store.ops - ops
-        self.records.append(("recovered", agent.slot, epoch, watcher.raised_at, held, read, made))
+        watched, self.watcher_ops = watcher.store.ops - self.watcher_ops, watcher.store.ops
+        self.records.append(("recovered", agent.slot, epoch, watcher.raised_at, held, read, made, watched))
         if agent.slot not in decision.next.members:
             return -1
         agent.enter(decision.next, watcher.flag.is_set, 60.0)
