@@ -50,6 +50,8 @@ STORE_CLIENTS_PER_RANK_AND_EPOCH = 1
 with the world's groups for the life of the rank."""
 STORE_CLIENTS_PER_NODE = 3
 """A node's agent: its link's two clients, and one while it waits for a generation."""
+STORE_OWN_DESCRIPTORS = 64
+"""The store process's own descriptors beside its clients' connections (its listener, logs, libraries)."""
 MIN_EPOCHS = 64
 """The store's host warns when its descriptor limit allows fewer epochs (failures, leaves, joins)."""
 
@@ -69,7 +71,7 @@ def descriptor_shortfall(config: HostConfig, limit: int) -> str | None:
     epochs; None if they should."""
     if limit == resource.RLIM_INFINITY:
         return None
-    fixed = config.world_size * STORE_CLIENTS_PER_RANK + config.nnodes * STORE_CLIENTS_PER_NODE + 64
+    fixed = config.world_size * STORE_CLIENTS_PER_RANK + config.nnodes * STORE_CLIENTS_PER_NODE + STORE_OWN_DESCRIPTORS
     epochs = (limit - fixed) // (config.world_size * STORE_CLIENTS_PER_RANK_AND_EPOCH)
     if epochs >= MIN_EPOCHS:
         return None
@@ -142,7 +144,8 @@ class CoordinatorHost:
         import torch.distributed as dist
 
         config = self.config
-        _, limit = raise_descriptor_limit()
+        # The entry point raised the soft limit to the hard one (raise_descriptor_limit): the hard one counts.
+        _, limit = resource.getrlimit(resource.RLIMIT_NOFILE)
         shortfall = descriptor_shortfall(config, limit)
         if shortfall is not None:
             self._log(f"warning: {shortfall}")
@@ -297,6 +300,7 @@ def serve(
 ) -> int:
     """``ds-recycle coordinator``: host the job until every node's agent has ended; 0 iff every one
     ended 0, 124 at ``timeout``, 128 + signal when ``stop_signal()`` names one, else 1."""
+    raise_descriptor_limit()
     host = CoordinatorHost(config, log, emit)
     deadline = None if timeout is None else time.monotonic() + timeout
     try:

@@ -2,15 +2,16 @@
 per node and hands every node the decision.
 
 The control plane's goal at 16,384 ranks (a process death to every survivor holding the decision in
-0.5 s) cannot be met with every rank at the store (bench/control_plane.py: about 8 operations per
-survivor, some 1.3 x 10^5 per decision). It needs each node's agent to speak for its ranks: gather
-their progress over loopback, post one record, read the decision once and hand it on. The runtime
-does not do that yet; this measures what the store would take for it, with real clients against a
-real TCPStore server: ``nodes`` clients (threads in worker processes) each block on the alert key;
-the harness sets it (as the coordinator publishes a failure); each node posts its record and counts
-it; the node whose count completes them reads every record and fixes the decision with one
-``compare_set``; the others block on the decision key and read it. Measured: from the alert's write
-to each node holding the decision, and the store operations made.
+0.5 s) cannot be met with every rank at the store (bench/control_plane.py at 256 ranks: 17
+operations per survivor, its recovery's and its failure watcher's, some 2.8 x 10^5 per decision).
+It needs each node's agent to speak for its ranks: gather their progress over loopback, post one
+record, read the decision once and hand it on. The runtime does not do that yet; this measures what
+the store would take for it, with real clients against a real TCPStore server: ``nodes`` clients
+(threads in worker processes) each block on the alert key; the harness sets it (as the coordinator
+publishes a failure); each node posts its record and counts it; the node whose count completes them
+reads every record and fixes the decision with one ``compare_set``; the others block on the
+decision key and read it. Measured: from the alert's write to each node holding the decision, and
+the store operations made.
 """
 
 from __future__ import annotations
