@@ -21,7 +21,7 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "test": ["pytest", "hypothesis", "ruff", "mip[highs]"],
+        "test": ["pytest", "pytest-timeout", "hypothesis", "ruff", "mip[highs]"],
         "highs": ["mip[highs]"],
         # HF Trainer integration (ds_recycle.integrations.hf): it overrides private Trainer hooks,
         # so the range is the one tested.

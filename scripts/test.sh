@@ -14,17 +14,29 @@ pytest=(.venv/bin/python -m pytest -q -rs -p no:cacheprovider)  # -rs: say why a
 if [ "$#" -gt 0 ]; then
   exec "${pytest[@]}" "$@"
 fi
+# A hang outside any test (at exit, in a child process a test waits for) is ended by a bound on each
+# run: SIGABRT, on which Python's fault handler (-X faulthandler) prints every thread's stack; the
+# run then answers 124. A hung test is ended sooner, by pytest-timeout (pyproject.toml).
+bounded() { timeout --signal=ABRT --kill-after=30 "$1" .venv/bin/python -X faulthandler "${pytest[@]:1}" "${@:2}"; }
+PURE_BOUND_SECONDS=1500  # the pure run takes about 4 minutes beside the other
+JOBS_BOUND_SECONDS=2700  # the multiprocess run takes about 15 minutes
 pure_log="$(mktemp)"
-"${pytest[@]}" -m "not multiprocess" >"$pure_log" 2>&1 &
+bounded "$PURE_BOUND_SECONDS" -m "not multiprocess" >"$pure_log" 2>&1 &
 pure=$!
 trap 'kill "$pure" 2>/dev/null || true; rm -f "$pure_log"' EXIT
 echo "== tests that start real ranks (the pure tests run beside them; their report follows)"
 jobs_status=0
-"${pytest[@]}" -m multiprocess || jobs_status=$?
+bounded "$JOBS_BOUND_SECONDS" -m multiprocess || jobs_status=$?
+if [ "$jobs_status" -eq 124 ]; then
+  echo "== the multiprocess tests outlived ${JOBS_BOUND_SECONDS} s and were ended (their stacks are above)"
+fi
 pure_status=0
 wait "$pure" || pure_status=$?
 echo "== pure tests"
 cat "$pure_log"
+if [ "$pure_status" -eq 124 ]; then
+  echo "== the pure tests outlived ${PURE_BOUND_SECONDS} s and were ended (their stacks are above)"
+fi
 echo "== multiprocess tests: exit $jobs_status; pure tests: exit $pure_status"
 if [ "$jobs_status" -ne 0 ]; then exit "$jobs_status"; fi
 exit "$pure_status"
