@@ -23,11 +23,13 @@ A command imports what it needs inside its ``run``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
 from ds_recycle.cli import coordinator, launch, plan, simulate, status
 from ds_recycle.cli.common import USAGE_ERROR, Command, Parser, UsageError, store_once
+from ds_recycle.runtime.protocol import QUIET_STORE_ENV
 
 COMMANDS: dict[str, Command] = {
     "plan": Command(help=plan.HELP, add_arguments=plan.add_arguments, run=plan.run),
@@ -46,6 +48,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse already printed its one line to stderr (or the help)
         return int(exc.code) if isinstance(exc.code, int) else USAGE_ERROR
+    for name, value in QUIET_STORE_ENV.items():  # before a command imports torch: the launcher and
+        os.environ.setdefault(name, value)  # the coordinator wait on the store in bounded slices
     try:
         return COMMANDS[args.command].run(args)
     except UsageError as exc:

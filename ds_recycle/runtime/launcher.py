@@ -424,7 +424,7 @@ class Launcher:
                 "MASTER_PORT": str(port),
                 "TORCHELASTIC_USE_AGENT_STORE": "True",
                 "TORCHELASTIC_RESTART_COUNT": str(self.generation),
-                "TORCH_CPP_LOG_LEVEL": "ERROR",
+                **proto.QUIET_STORE_ENV,
             }
         )
         if config.membership:

@@ -127,6 +127,14 @@ STORE_TIMEOUT_SECONDS = 120.0
 """Bound on a blocking store operation of a trainer (the launcher's store is its own host or a
 neighbour; a healthy operation takes microseconds)."""
 
+QUIET_STORE_ENV = {"TORCH_CPP_LOG_LEVEL": "ERROR"}
+"""The environment of every process that makes bounded store waits, from its start (c10d reads it
+when torch loads). With c10d's warnings on, each ``wait`` that times out formats its socket for a
+warning, and the formatting looks up both addresses' names: where the resolver does not answer, or
+drops a burst of queries, 5 s per lookup. Measured in bench/control_plane.py at 256 ranks: the
+survivors whose 0.25 s slice of the wait for the decision timed out as it was made held it 5-10 s
+late (py-spy: getnameinfo under SocketImpl::waitForInput)."""
+
 
 class Store(Protocol):
     """The store operations the protocol uses (torch.distributed.Store's names)."""

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from ds_recycle.testing import spawn_context
+
 TIMEOUT_SECONDS = 300.0
 RECORD_BYTES = 8 * 48
 """A node's record: the progress of its 8 ranks (about 48 bytes each as the protocol writes them)."""
@@ -75,7 +77,7 @@ def measure_fan_out(nodes: int, processes: int = 8) -> FanOut:
     if nodes < 2 or processes < 1:
         raise ValueError(f"nodes must be at least 2 and processes at least 1, got {nodes} and {processes}")
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
+    ctx = spawn_context()
     results: mp.Queue = ctx.Queue()
     share = -(-nodes // processes)
     procs = [

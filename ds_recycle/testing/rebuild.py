@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from ds_recycle.runtime.protocol import Membership
+from ds_recycle.testing import spawn_context
 from ds_recycle.testing.scale import COUNTS, CountingStore
 
 TIMEOUT_SECONDS = 300.0
@@ -120,7 +121,6 @@ def plan_peers(pp: int, dp: int, victim: int) -> dict[int, list[int]]:
 
 
 def _rank(slot: int, pp: int, dp: int, port: int, connect: str, peers: list[int], results: mp.Queue) -> None:
-    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
@@ -170,7 +170,7 @@ def measure_rebuild(pp: int, dp: int, connect: str = "all") -> RebuildCost:
     if connect not in CONNECTS:
         raise ValueError(f"connect must be one of {CONNECTS}, got {connect!r}")
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
+    ctx = spawn_context()
     results: mp.Queue = ctx.Queue()
     victim = pp * dp - 1
     peers = plan_peers(pp, dp, victim)

@@ -32,6 +32,7 @@ from ds_recycle.runtime.membership import MembershipAgent
 from ds_recycle.runtime.node import NodeLink
 from ds_recycle.runtime.protocol import Membership, Progress
 from ds_recycle.runtime.waiting import FailureWatcher
+from ds_recycle.testing import spawn_context
 
 TOKEN = "scale-harness"
 THREAD_STACK_BYTES = 256 * 1024
@@ -216,9 +217,6 @@ def beats_dir(root: str, node: int) -> str:
 def _worker(
     address: str, shape: Shape, nodes: list[int], t0: float, root: str, commands: mp.Queue, events: mp.Queue
 ) -> None:
-    # As the launcher sets for its ranks: a store wait that times out (a slice of a bounded wait) is
-    # no warning.
-    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     import torch.distributed  # noqa: F401  (before the threads: ``connect`` imports it lazily)
 
     threading.stack_size(THREAD_STACK_BYTES)
@@ -317,7 +315,6 @@ def _hammer(address: str, clients: int, seconds: float, start, results: mp.Queue
     """``clients`` threads, each with its own client, doing ``add(key, 0)`` back to back for
     ``seconds`` once every client of every process is connected (``start``, a barrier: a connect
     here can take seconds)."""
-    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     counts = [0] * clients
     connected = threading.Semaphore(0)
     go, stop = threading.Event(), threading.Event()
@@ -349,7 +346,7 @@ def _hammer(address: str, clients: int, seconds: float, start, results: mp.Queue
 def store_capacity(use_libuv: bool, processes: int = 2, clients: int = 32, seconds: float = 3.0) -> float:
     """Store operations per second that one TCPStore server answers when ``processes`` x ``clients``
     connections send small operations back to back (its saturation point on this machine)."""
-    ctx = mp.get_context("spawn")
+    ctx = spawn_context()
     ports: mp.Queue = ctx.Queue()
     server = ctx.Process(target=_serve_store, args=("127.0.0.1", ports, use_libuv), daemon=True)
     server.start()
@@ -396,7 +393,7 @@ class Harness:
     log: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        ctx = mp.get_context("spawn")  # not fork: this process runs the coordinator's threads
+        ctx = spawn_context()  # not fork: this process runs the coordinator's threads
         ports: mp.Queue = ctx.Queue()
         self.server = ctx.Process(target=_serve_store, args=(self.host, ports), daemon=True)
         self.server.start()
