@@ -92,6 +92,8 @@ class MembershipAgent:
     requested_at: float = 0.0
     """When this process last posted its join request (wall clock)."""
     _known: list[Change] | None = field(default=None, repr=False)
+    _posted_in: int | None = field(default=None, repr=False)
+    """The epoch in which this process last posted its recovery progress."""
     """``pending`` as this rank's watcher read it last (:meth:`note_changes`)."""
     beats_dir: str | None = None
     """The node's beat directory (``DS_RECYCLE_BEATS``): the heartbeat goes there, for the node's
@@ -259,13 +261,13 @@ class MembershipAgent:
 
     def _post_progress(self, epoch: int, progress: Progress) -> int | None:
         """Post this survivor's progress in ``epoch``, and count it once; returns the count after
-        this post (None when it was posted before)."""
-        key = proto.progress_key(epoch, self.slot)
-        first = not self.store.check([key])
-        self.store.set(key, progress.to_json())
-        if first:
-            return int(self.store.add(proto.progress_count_key(epoch), 1))
-        return None
+        this post (None when this process posted in ``epoch`` before: no other process of this
+        slot is a survivor of an epoch this one was a member of)."""
+        self.store.set(proto.progress_key(epoch, self.slot), progress.to_json())
+        if self._posted_in == epoch:
+            return None
+        self._posted_in = epoch
+        return int(self.store.add(proto.progress_count_key(epoch), 1))
 
     def _wait_for_failure(self, slots: set[int], detect_timeout: float) -> None:
         """Until a failure among ``slots`` is published: blocks on this slot's next alert key (the
@@ -371,13 +373,18 @@ class MembershipAgent:
         return Membership(self.current.epoch + 1, tuple(sorted(members)), iteration)
 
     def _publish(self, membership: Membership) -> None:
+        """Publish ``membership`` as the current epoch unless someone did already (the decider does
+        at once; the others publish it too, for a decider that died in between)."""
+        if int(self.store.get(proto.CURRENT_EPOCH)) >= membership.epoch:
+            return  # its record was published before current_epoch moved to it
         self.store.compare_set(proto.epoch_key(membership.epoch), "", membership.to_json())
         self.store.compare_set(proto.CURRENT_EPOCH, str(membership.epoch - 1), str(membership.epoch))
 
     def refresh(self) -> Membership:
         """The latest epoch decided by anyone (a slower member may not have seen it yet)."""
-        latest = proto.read_membership(self.store)
-        if latest.epoch > self.current.epoch:
+        epoch = int(self.store.get(proto.CURRENT_EPOCH))
+        if epoch > self.current.epoch:
+            latest = proto.read_membership(self.store, epoch)
             self.current = latest
             self.applied = self.decision_creating(latest).applied
         return self.current
