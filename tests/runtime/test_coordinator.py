@@ -571,3 +571,45 @@ def test_a_survivor_waiting_in_an_epoch_a_boundary_superseded_recovers_in_the_ne
     assert len({d.to_json() for d in decisions.values()}) == 1, decisions
     decision = decisions[0]
     assert decision.epoch == 1 and decision.iteration == 5 and decision.next.members == (0, 1, 2)
+
+
+def test_an_epoch_whose_decider_died_before_publishing_it_is_published_by_the_survivors_that_took_it(harness):
+    """Slot 3 fixes the boundary decision making epoch 1 and is killed before it publishes the
+    epoch. Slots 1 and 2 took the decision (epoch 1); slot 0 was stopped before the boundary and is
+    in epoch 0. Unless a survivor that took epoch 1 publishes it, slot 0 recovers in epoch 0 and
+    slots 1 and 2 in epoch 1, each side waiting for the other until the timeout."""
+    import threading
+
+    from ds_recycle.runtime.membership import MembershipAgent
+
+    h = harness
+    agents = {}
+    for slot in (0, 1, 2):
+        agent = MembershipAgent(f"127.0.0.1:{h.server.port}", slot, TOKEN, 0, 0)
+        agent.store = agent.connect()
+        agent.current = proto.read_membership(agent.store)
+        agents[slot] = agent
+    epoch_1 = Membership(1, (0, 1, 2, 3), 4)
+    h.store.set(proto.decision_key(0, 4), proto.Decision(0, 4, 0, (), epoch_1).to_json())  # slot 3's, unpublished
+    for slot in (1, 2):
+        assert agents[slot].decide(4).next == epoch_1
+    h.coordinator.rank_exited(RankExit(slot=3, incarnation=0, returncode=-9, observed=time.time()))
+    h.wait_for_line("published failure of slot 3")
+    decisions: dict[int, object] = {}
+
+    def recover(slot: int, done: int) -> None:
+        try:
+            decisions[slot] = agents[slot].recover(proto.Progress(done, False), (0, 1, 2, 3), 10.0, 8.0)
+        except Exception as error:  # reported by the assertion below
+            decisions[slot] = error
+
+    threads = [threading.Thread(target=recover, args=(slot, 3 if slot == 0 else 4)) for slot in (0, 1, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=20)
+    assert sorted(decisions) == [0, 1, 2], decisions
+    assert all(isinstance(d, proto.Decision) for d in decisions.values()), decisions
+    assert len({d.to_json() for d in decisions.values()}) == 1, decisions
+    decision = decisions[0]
+    assert decision.epoch == 1 and decision.iteration == 3 and decision.next.members == (0, 1, 2)
