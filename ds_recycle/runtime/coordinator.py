@@ -333,6 +333,10 @@ class Coordinator:
 
     def _drain_retired(self) -> None:
         while True:
+            # The launcher queues a rank's exit before its retirement: published first, so that the
+            # slot's last change is its retirement (proto.retired_slots), even for an exit queued
+            # after this tick drained the exits.
+            self._drain_exits()
             try:
                 slot, why = self._retired.get_nowait()
             except queue.Empty:

@@ -211,6 +211,20 @@ def _decide_at_boundary(h: Harness, members: tuple[int, ...], taken: int) -> Non
     h.advance(members)
 
 
+def test_a_retirement_is_published_after_the_exit_queued_before_it(harness):
+    """The launcher queues a rank's exit, then its retirement; the coordinator drains exits, then
+    retirements. An exit queued between the two drains was published after the retirement, so the
+    slot's last change was its failure and no migration could fill it (test_migration saw the lowest
+    member find 'retired slots [1, 5]', slot 4 retired before its failure was published)."""
+    h = harness
+    h.coordinator.stop()  # this test is the coordinator's thread, at the moment between the drains
+    h.coordinator.rank_exited(RankExit(slot=3, incarnation=0, returncode=-9, observed=time.time()))
+    h.coordinator.retire(3, "given up after 1 quick failures")
+    h.coordinator._drain_retired()
+    assert [(c.kind, c.slot) for c in h.pending()] == [(proto.FAILED, 3), (proto.RETIRED, 3)]
+    assert proto.retired_slots(h.pending()) == {3}
+
+
 def test_a_leaver_that_dies_after_its_leave_was_decided_is_a_failure_of_its_last_iteration(harness):
     """The members that reach a boundary first decide it: a leaver taken out there may still be in
     the iteration that boundary closes, with a peer sending to it. Its death is published (the peer
