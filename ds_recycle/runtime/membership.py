@@ -92,9 +92,9 @@ class MembershipAgent:
     requested_at: float = 0.0
     """When this process last posted its join request (wall clock)."""
     _known: list[Change] | None = field(default=None, repr=False)
+    """``pending`` as this rank's watcher read it last (:meth:`note_changes`)."""
     _posted_in: int | None = field(default=None, repr=False)
     """The epoch in which this process last posted its recovery progress."""
-    """``pending`` as this rank's watcher read it last (:meth:`note_changes`)."""
     beats_dir: str | None = None
     """The node's beat directory (``DS_RECYCLE_BEATS``): the heartbeat goes there, for the node's
     agent to relay (:mod:`ds_recycle.runtime.beats`)."""

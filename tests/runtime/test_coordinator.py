@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import threading
 import time
 from datetime import timedelta
 
@@ -541,6 +542,47 @@ def test_a_link_whose_renewals_stop_fences_its_node():
         link.stop()
 
 
+class _Survivors:
+    """Slots 0, 1 and 2 as trainers' membership agents (real clients of the harness's store), each
+    recovering from slot 3's failure in a thread of its own."""
+
+    def __init__(self, h: Harness) -> None:
+        from ds_recycle.runtime.membership import MembershipAgent
+
+        self.agents = {}
+        for slot in (0, 1, 2):
+            agent = MembershipAgent(f"127.0.0.1:{h.server.port}", slot, TOKEN, 0, 0)
+            agent.store = agent.connect()
+            agent.current = proto.read_membership(agent.store)
+            self.agents[slot] = agent
+        self.decisions: dict[int, object] = {}
+        self.threads: list[threading.Thread] = []
+
+    def recover(self, slot: int, done: int) -> None:
+        """Slot ``slot`` recovers, having finished ``done`` iterations."""
+
+        def run() -> None:
+            try:
+                progress = proto.Progress(done, False)
+                self.decisions[slot] = self.agents[slot].recover(progress, (0, 1, 2, 3), 10.0, 8.0)
+            except Exception as error:  # reported by one_decision
+                self.decisions[slot] = error
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        self.threads.append(thread)
+
+    def one_decision(self) -> proto.Decision:
+        """The decision all three hold (each recovery is bounded at 8 s)."""
+        for thread in self.threads:
+            thread.join(timeout=20)
+        decisions = self.decisions
+        assert sorted(decisions) == [0, 1, 2], decisions
+        assert all(isinstance(d, proto.Decision) for d in decisions.values()), decisions
+        assert len({d.to_json() for d in decisions.values()}) == 1, decisions
+        return decisions[0]
+
+
 def test_a_survivor_waiting_in_an_epoch_a_boundary_superseded_recovers_in_the_new_one(harness):
     """Slot 3's leave is accepted. Slot 0 is stopped by a failure before the boundary and looks at
     the membership first (epoch 0); slots 1 and 2 then reach the boundary and decide epoch 1 without
@@ -548,42 +590,18 @@ def test_a_survivor_waiting_in_an_epoch_a_boundary_superseded_recovers_in_the_ne
     epoch 0, whose decision nobody else will make: it must see epoch 1 and recover there, so that all
     three hold one decision (seen in a fault campaign: the survivors waited for each other in two
     epochs until the timeout)."""
-    import threading
-
-    from ds_recycle.runtime.membership import MembershipAgent
-
     h = harness
-    agents = {}
-    for slot in (0, 1, 2):
-        agent = MembershipAgent(f"127.0.0.1:{h.server.port}", slot, TOKEN, 0, 0)
-        agent.store = agent.connect()
-        agent.current = proto.read_membership(agent.store)
-        agents[slot] = agent
-    decisions: dict[int, object] = {}
-
-    def recover(slot: int, done: int) -> None:
-        try:
-            decisions[slot] = agents[slot].recover(proto.Progress(done, False), (0, 1, 2, 3), 10.0, 8.0)
-        except Exception as error:  # reported by the assertion below
-            decisions[slot] = error
-
+    survivors = _Survivors(h)
     h.request(proto.LEAVE, 3)
     h.wait_for_line("accepted leave of slot 3")
-    late = threading.Thread(target=recover, args=(0, 5))
-    late.start()
+    survivors.recover(0, 5)
     time.sleep(0.5)  # slot 0 looked at the membership (epoch 0) and waits for the failure
     _decide_at_boundary(h, (0, 1, 2), 0)
     h.coordinator.rank_exited(RankExit(slot=3, incarnation=0, returncode=-9, observed=time.time()))
     h.wait_for_line("published failure of slot 3")
-    others = [threading.Thread(target=recover, args=(slot, 6)) for slot in (1, 2)]
-    for thread in others:
-        thread.start()
-    for thread in [late, *others]:
-        thread.join(timeout=20)
-    assert sorted(decisions) == [0, 1, 2], decisions
-    assert all(isinstance(d, proto.Decision) for d in decisions.values()), decisions
-    assert len({d.to_json() for d in decisions.values()}) == 1, decisions
-    decision = decisions[0]
+    for slot in (1, 2):
+        survivors.recover(slot, 6)
+    decision = survivors.one_decision()
     assert decision.epoch == 1 and decision.iteration == 5 and decision.next.members == (0, 1, 2)
 
 
@@ -592,38 +610,15 @@ def test_an_epoch_whose_decider_died_before_publishing_it_is_published_by_the_su
     epoch. Slots 1 and 2 took the decision (epoch 1); slot 0 was stopped before the boundary and is
     in epoch 0. Unless a survivor that took epoch 1 publishes it, slot 0 recovers in epoch 0 and
     slots 1 and 2 in epoch 1, each side waiting for the other until the timeout."""
-    import threading
-
-    from ds_recycle.runtime.membership import MembershipAgent
-
     h = harness
-    agents = {}
-    for slot in (0, 1, 2):
-        agent = MembershipAgent(f"127.0.0.1:{h.server.port}", slot, TOKEN, 0, 0)
-        agent.store = agent.connect()
-        agent.current = proto.read_membership(agent.store)
-        agents[slot] = agent
+    survivors = _Survivors(h)
     epoch_1 = Membership(1, (0, 1, 2, 3), 4)
     h.store.set(proto.decision_key(0, 4), proto.Decision(0, 4, 0, (), epoch_1).to_json())  # slot 3's, unpublished
     for slot in (1, 2):
-        assert agents[slot].decide(4).next == epoch_1
+        assert survivors.agents[slot].decide(4).next == epoch_1
     h.coordinator.rank_exited(RankExit(slot=3, incarnation=0, returncode=-9, observed=time.time()))
     h.wait_for_line("published failure of slot 3")
-    decisions: dict[int, object] = {}
-
-    def recover(slot: int, done: int) -> None:
-        try:
-            decisions[slot] = agents[slot].recover(proto.Progress(done, False), (0, 1, 2, 3), 10.0, 8.0)
-        except Exception as error:  # reported by the assertion below
-            decisions[slot] = error
-
-    threads = [threading.Thread(target=recover, args=(slot, 3 if slot == 0 else 4)) for slot in (0, 1, 2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=20)
-    assert sorted(decisions) == [0, 1, 2], decisions
-    assert all(isinstance(d, proto.Decision) for d in decisions.values()), decisions
-    assert len({d.to_json() for d in decisions.values()}) == 1, decisions
-    decision = decisions[0]
+    for slot in (0, 1, 2):
+        survivors.recover(slot, 3 if slot == 0 else 4)
+    decision = survivors.one_decision()
     assert decision.epoch == 1 and decision.iteration == 3 and decision.next.members == (0, 1, 2)
