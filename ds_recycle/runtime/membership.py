@@ -241,7 +241,8 @@ class MembershipAgent:
                 posted = [proto.progress_key(epoch, s) for s in survivors]
                 missing = [s for s, k in zip(survivors, posted, strict=True) if not self.store.check([k])]
                 raise MembershipError(f"survivors {missing} did not report their progress within {timeout:.0f} s")
-        return self._take(Decision.from_json(self.store.get(key)))
+        value, current = self.store.multi_get([key, proto.CURRENT_EPOCH])
+        return self._take(Decision.from_json(value), int(current))
 
     def _propose_recovery(self, epoch: int, pending: list[Change], count: int | None = None) -> None:
         """Fix epoch ``epoch``'s recovery decision if every survivor (as ``pending``, the changes
@@ -292,10 +293,11 @@ class MembershipAgent:
                     logger.info(f"ReCycle: slot {self.slot} asked the coordinator which peer stopped answering")
             _wait_for_key(self.store, proto.alert_key(self.slot, alerts + 1), PROBE_AFTER_SECONDS)
 
-    def _take(self, decision: Decision) -> Decision:
+    def _take(self, decision: Decision, current_epoch: int | None = None) -> Decision:
+        """Apply ``decision``; ``current_epoch``: the store's, read with it (else read here if needed)."""
         self.applied = decision.applied
         if decision.next is not None:
-            self._publish(decision.next)
+            self._publish(decision.next, current_epoch)
             self.current = decision.next
         return decision
 
@@ -372,10 +374,13 @@ class MembershipAgent:
             return None
         return Membership(self.current.epoch + 1, tuple(sorted(members)), iteration)
 
-    def _publish(self, membership: Membership) -> None:
+    def _publish(self, membership: Membership, current_epoch: int | None = None) -> None:
         """Publish ``membership`` as the current epoch unless someone did already (the decider does
-        at once; the others publish it too, for a decider that died in between)."""
-        if int(self.store.get(proto.CURRENT_EPOCH)) >= membership.epoch:
+        at once; the others publish it too, for a decider that died in between). ``current_epoch``:
+        the store's, if just read."""
+        if current_epoch is None:
+            current_epoch = int(self.store.get(proto.CURRENT_EPOCH))
+        if current_epoch >= membership.epoch:
             return  # its record was published before current_epoch moved to it
         self.store.compare_set(proto.epoch_key(membership.epoch), "", membership.to_json())
         self.store.compare_set(proto.CURRENT_EPOCH, str(membership.epoch - 1), str(membership.epoch))
