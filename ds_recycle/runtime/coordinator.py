@@ -358,7 +358,7 @@ class Coordinator:
         # A leaver taken out by the latest decision may not have finished the iteration that
         # decision closed (the members that reached the boundary first decided it): a peer may still
         # be sending to it or waiting for it. Its death (not exit 0) is a failure of that iteration,
-        # which the members of the new epoch take up too (membership.concerned). Only the process
+        # which the members of the new epoch take up too (MembershipAgent._concerned). Only the process
         # that left: its respawn's death while its join is pending is a joiner's, as ever.
         left_last = (
             exit.slot not in membership.members

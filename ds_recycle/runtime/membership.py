@@ -58,13 +58,6 @@ def _wait_for_key(store: Store, key: str, seconds: float) -> bool:
         return False
 
 
-def concerned(current: Membership, latest: Membership, store: Store) -> set[int]:
-    """The slots whose failure stops a rank in epoch ``current`` when ``latest`` is the newest
-    decided epoch: the members of both, and the leavers that the boundary decision making
-    ``latest`` took out (:func:`~ds_recycle.runtime.protocol.left_at_boundary`)."""
-    return set(current.members) | set(latest.members) | proto.left_at_boundary(latest, store)
-
-
 class MembershipError(RuntimeError):
     """The coordinator cannot be reached, or a request was not admitted in time."""
 
@@ -94,6 +87,10 @@ class MembershipAgent:
     _known: list[Change] | None = field(default=None, repr=False)
     """``pending`` as this rank's watcher read it last (:meth:`note_changes`)."""
     _posted_in: int | None = field(default=None, repr=False)
+    _records: dict[int, Membership] = field(default_factory=dict, repr=False)
+    """Epoch records read so far (:meth:`_latest`)."""
+    _leavers: dict[int, set[int]] = field(default_factory=dict, repr=False)
+    """By epoch: the leavers the boundary decision that made it took out (:meth:`_concerned`)."""
     """The epoch in which this process last posted its recovery progress."""
     beats_dir: str | None = None
     """The node's beat directory (``DS_RECYCLE_BEATS``): the heartbeat goes there, for the node's
@@ -184,8 +181,12 @@ class MembershipAgent:
             changes = changes[: failed[0]]
         applied = self.applied + len(changes)
         proposal = Decision(epoch, iteration, applied, changes, self._next(changes, iteration))
-        value = self.store.compare_set(proto.decision_key(epoch, iteration), "", proposal.to_json())
-        return self._take(Decision.from_json(value))
+        decision = Decision.from_json(
+            self.store.compare_set(proto.decision_key(epoch, iteration), "", proposal.to_json())
+        )
+        if decision == proposal and decision.next is not None:
+            self._publish(decision.next, epoch)
+        return self._take(decision)
 
     def recover(self, progress: Progress, running: tuple[int, ...], detect_timeout: float, timeout: float) -> Decision:
         """The survivors' one decision after a failure in the current epoch.
@@ -217,7 +218,7 @@ class MembershipAgent:
         """:meth:`recover` in the latest epoch decided; None if a newer one was decided meanwhile."""
         self.refresh()
         epoch = self.current.epoch
-        self._wait_for_failure(set(running) | concerned(self.current, self.current, self.store), detect_timeout)
+        self._wait_for_failure(set(running) | self._concerned(self.current, self.current, self.store), detect_timeout)
         posted = self._post_progress(epoch, progress)
         key = proto.recovery_key(epoch)
         looked_at = None
@@ -241,8 +242,7 @@ class MembershipAgent:
                 posted = [proto.progress_key(epoch, s) for s in survivors]
                 missing = [s for s, k in zip(survivors, posted, strict=True) if not self.store.check([k])]
                 raise MembershipError(f"survivors {missing} did not report their progress within {timeout:.0f} s")
-        value, current = self.store.multi_get([key, proto.CURRENT_EPOCH])
-        return self._take(Decision.from_json(value), int(current))
+        return self._take(Decision.from_json(self.store.get(key)))
 
     def _propose_recovery(self, epoch: int, pending: list[Change], count: int | None = None) -> None:
         """Fix epoch ``epoch``'s recovery decision if every survivor (as ``pending``, the changes
@@ -258,7 +258,9 @@ class MembershipAgent:
         done = min(Progress.from_json(value).done for value in self.store.multi_get(posted))
         nxt = self._next(changes, done) or Membership(epoch + 1, self.current.members, done)
         proposal = Decision(epoch, done, len(pending), changes, nxt)
-        self.store.compare_set(proto.recovery_key(epoch), "", proposal.to_json())
+        value = self.store.compare_set(proto.recovery_key(epoch), "", proposal.to_json())
+        if Decision.from_json(value) == proposal:
+            self._publish(nxt)  # after the key: a survivor that sees the epoch moved sees the key set
 
     def _post_progress(self, epoch: int, progress: Progress) -> int | None:
         """Post this survivor's progress in ``epoch``, and count it once; returns the count after
@@ -293,11 +295,12 @@ class MembershipAgent:
                     logger.info(f"ReCycle: slot {self.slot} asked the coordinator which peer stopped answering")
             _wait_for_key(self.store, proto.alert_key(self.slot, alerts + 1), PROBE_AFTER_SECONDS)
 
-    def _take(self, decision: Decision, current_epoch: int | None = None) -> Decision:
-        """Apply ``decision``; ``current_epoch``: the store's, read with it (else read here if needed)."""
+    def _take(self, decision: Decision) -> Decision:
+        """Apply ``decision``. Its decider publishes the epoch it makes; the others do only if it
+        is still not published when they enter it (:meth:`enter`)."""
         self.applied = decision.applied
         if decision.next is not None:
-            self._publish(decision.next, current_epoch)
+            self._records[decision.next.epoch] = decision.next
             self.current = decision.next
         return decision
 
@@ -308,23 +311,43 @@ class MembershipAgent:
     def _failure_in(self, pending: list[Change], slots: set[int]) -> bool:
         return any(c.kind == proto.FAILED and c.slot in slots for c in pending[self.applied :])
 
-    def _read_pending(self, store: Store | None = None) -> list[Change]:
+    def _read_pending(self, store: Store | None = None, count: int | None = None) -> list[Change]:
         """Every change so far, reading only those after the ones the watcher took in."""
-        return proto.read_pending(store or self.store, self._known)
+        return proto.read_pending(store or self.store, self._known, count)
 
-    def note_changes(self, store: Store) -> bool:
-        """For the watcher (its own store client), at its start and whenever changes were published:
-        take ``pending`` in (the next boundary proposes what it holds), and say whether a failure in
-        it concerns this rank: one of a member of this rank's epoch, of the latest decided one, or of
-        a leaver the decision making the latest one took out (it died before it finished the
-        iteration its leave closed). A joiner that died before it was admitted concerns nobody."""
-        pending = self._read_pending(store)
-        relevant = self._failure_in(pending, concerned(self.current, proto.read_membership(store), store))
+    def note_changes(self, store: Store, count: int | None = None) -> bool:
+        """For the watcher (its own store client), at its start and whenever changes were published
+        (``count``: the ``alert`` count it just read): take ``pending`` in (the next boundary
+        proposes what it holds), and say whether a failure in it concerns this rank: one of a member
+        of this rank's epoch, of the latest decided one, or of a leaver the decision making the
+        latest one took out (it died before it finished the iteration its leave closed). A joiner
+        that died before it was admitted concerns nobody."""
+        pending = self._read_pending(store, count)
+        relevant = self._failure_in(pending, self._concerned(self.current, self._latest(store), store))
         # Taken in last, just before the watcher raises its flag: a boundary that already holds a
         # failure in its proposal but passed its flag check would decide the failure away, and the
         # rank would then recover from a failure it no longer sees (and probe for it).
         self._known = pending
         return relevant
+
+    def _concerned(self, current: Membership, latest: Membership, store: Store) -> set[int]:
+        """The slots whose failure stops a rank in epoch ``current`` when ``latest`` is the newest
+        decided epoch: the members of both, and the leavers that the boundary decision making
+        ``latest`` took out (:func:`~ds_recycle.runtime.protocol.left_at_boundary`). Read once per
+        epoch: ``latest`` is published, so the decision that made it is written; a boundary
+        decision a straggler writes later at the same key did not make it."""
+        leavers = self._leavers.get(latest.epoch)
+        if leavers is None:
+            leavers = self._leavers[latest.epoch] = proto.left_at_boundary(latest, store)
+        return set(current.members) | set(latest.members) | leavers
+
+    def _latest(self, store: Store) -> Membership:
+        """The latest decided membership; an epoch's record, written once, is read once."""
+        epoch = int(store.get(proto.CURRENT_EPOCH))
+        membership = self._records.get(epoch)
+        if membership is None:
+            membership = self._records[epoch] = proto.read_membership(store, epoch)
+        return membership
 
     def migrations(self) -> tuple[set[int], dict[int, int]]:
         """The retired slots no move fills, and the accepted moves not decided yet (mover ->
@@ -343,7 +366,9 @@ class MembershipAgent:
         MemberFailed if a failure was announced (``failure_announced()``) or one of the members
         failed."""
         epoch = membership.epoch
+        self._records[epoch] = membership
         if int(self.store.add(proto.ready_key(epoch), 1)) >= len(membership.members):
+            self._publish(membership)  # in case its decider died before it did (a leaver at a boundary)
             self.store.set(proto.entered_key(epoch), "1")
             return
         deadline = time.monotonic() + timeout
@@ -358,8 +383,11 @@ class MembershipAgent:
             # concern nobody, before the decision that admitted it was published.
             if self.failure_among(set(membership.members)):
                 raise MemberFailed(f"a member of epoch {epoch} failed before every member entered it")
-            if int(self.store.get(proto.CURRENT_EPOCH)) > epoch:
+            current = int(self.store.get(proto.CURRENT_EPOCH))
+            if current > epoch:
                 raise EpochSuperseded(f"epoch {epoch} was superseded before every member entered it")
+            if current < epoch:  # its decider died before it published it: a joiner waits for it
+                self._publish(membership, current)
             if time.monotonic() > deadline:
                 raise MembershipError(f"not every member of epoch {epoch} arrived within {timeout:.0f} s")
 
@@ -375,15 +403,17 @@ class MembershipAgent:
         return Membership(self.current.epoch + 1, tuple(sorted(members)), iteration)
 
     def _publish(self, membership: Membership, current_epoch: int | None = None) -> None:
-        """Publish ``membership`` as the current epoch unless someone did already (the decider does
-        at once; the others publish it too, for a decider that died in between). ``current_epoch``:
-        the store's, if just read."""
+        """Make ``membership`` the current epoch (``current_epoch``: the store's, if known), first
+        publishing any epoch between the two that this agent held: a decider that died before it
+        published its epoch leaves a gap, which the next publisher among its survivors fills."""
         if current_epoch is None:
             current_epoch = int(self.store.get(proto.CURRENT_EPOCH))
-        if current_epoch >= membership.epoch:
-            return  # its record was published before current_epoch moved to it
-        self.store.compare_set(proto.epoch_key(membership.epoch), "", membership.to_json())
-        self.store.compare_set(proto.CURRENT_EPOCH, str(membership.epoch - 1), str(membership.epoch))
+        for epoch in range(current_epoch + 1, membership.epoch + 1):
+            record = membership if epoch == membership.epoch else self._records.get(epoch)
+            if record is None:
+                return
+            self.store.compare_set(proto.epoch_key(epoch), "", record.to_json())
+            self.store.compare_set(proto.CURRENT_EPOCH, str(epoch - 1), str(epoch))
 
     def refresh(self) -> Membership:
         """The latest epoch decided by anyone (a slower member may not have seen it yet)."""

@@ -282,10 +282,11 @@ def read_present(store: Store, keys: list[str]) -> list[bytes | None]:
     return [store.get(key) if store.check([key]) else None for key in keys]
 
 
-def read_pending(store: Store, known: list[Change] | None = None) -> list[Change]:
-    """Every change so far: ``known`` (the first changes, as read before) and the ones after it."""
+def read_pending(store: Store, known: list[Change] | None = None, count: int | None = None) -> list[Change]:
+    """Every change so far: ``known`` (the first changes, as read before) and the ones after it;
+    ``count``: the ``alert`` count, if just read."""
     known = known or []
-    count = int(store.add(ALERT, 0))
+    count = int(store.add(ALERT, 0)) if count is None else count
     if count <= len(known):
         return list(known)
     values = store.multi_get([change_key(seq) for seq in range(len(known), count)])

@@ -57,8 +57,9 @@ class FailureWatcher:
     slot: int
     waker: object
     """Another client of the store: :meth:`stop` sets this watcher's key with it to wake it."""
-    on_changes: Callable[[object], bool] | None = None
-    """Given the watcher's store client, at start and at every wake: the rank takes in the changes
+    on_changes: Callable[..., bool] | None = None
+    """Given the watcher's store client (and at a wake the ``alert`` count it read), at start and
+    at every wake: the rank takes in the changes
     published so far and says whether a failure among them concerns its peers. One that does not
     (a joiner that died before it was admitted, or no failure at all) is taken as seen, not raised."""
     seen: int = 0
@@ -100,7 +101,7 @@ class FailureWatcher:
             if value <= self.seen:
                 continue
             try:
-                relevant = self.on_changes is None or self.on_changes(self.store)
+                relevant = self.on_changes is None or self.on_changes(self.store, value)
             except Exception:  # cannot tell: stop and let recovery find out
                 relevant = True
             with self._lock:
