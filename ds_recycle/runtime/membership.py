@@ -416,12 +416,17 @@ class MembershipAgent:
             self.store.compare_set(proto.CURRENT_EPOCH, str(epoch - 1), str(epoch))
 
     def refresh(self) -> Membership:
-        """The latest epoch decided by anyone (a slower member may not have seen it yet)."""
+        """The latest epoch decided by anyone (a slower member may not have seen it yet). One this
+        agent took that is still unpublished (its decider died between its decision and the
+        publication) is published here: a survivor that did not take it would otherwise recover in
+        the epoch before it, apart from those that did."""
         epoch = int(self.store.get(proto.CURRENT_EPOCH))
         if epoch > self.current.epoch:
             latest = proto.read_membership(self.store, epoch)
             self.current = latest
             self.applied = self.decision_creating(latest).applied
+        elif epoch < self.current.epoch:
+            self._publish(self.current, epoch)
         return self.current
 
     def decision_creating(self, membership: Membership) -> Decision:
