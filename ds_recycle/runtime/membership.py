@@ -87,11 +87,11 @@ class MembershipAgent:
     _known: list[Change] | None = field(default=None, repr=False)
     """``pending`` as this rank's watcher read it last (:meth:`note_changes`)."""
     _posted_in: int | None = field(default=None, repr=False)
+    """The epoch in which this process last posted its recovery progress."""
     _records: dict[int, Membership] = field(default_factory=dict, repr=False)
     """Epoch records read so far (:meth:`_latest`)."""
     _leavers: dict[int, set[int]] = field(default_factory=dict, repr=False)
     """By epoch: the leavers the boundary decision that made it took out (:meth:`_concerned`)."""
-    """The epoch in which this process last posted its recovery progress."""
     beats_dir: str | None = None
     """The node's beat directory (``DS_RECYCLE_BEATS``): the heartbeat goes there, for the node's
     agent to relay (:mod:`ds_recycle.runtime.beats`)."""
