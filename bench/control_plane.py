@@ -8,7 +8,8 @@ iterations that sleep) in worker processes; every store client counts its operat
   window with no membership change, and the boundary decision latency (from the wall-clock boundary
   to the last member holding the decision) with the bytes each rank read for it;
 - a process death (a rank of node 1 stops; its node's agent reports the exit as waitpid would):
-  from the death to every survivor holding the recovery decision, with the bytes each survivor read
+  from the death to every survivor holding the recovery decision ("flag ms": to every survivor's
+  failure watcher raising its flag, the detection's share), with the bytes each survivor read
   and the store operations it made for it (its recovery's client; then the same per survivor at
   16,384 ranks, against the store's capacity with ``--capacity``);
 - a node loss (node 2's agent and ranks stop at once): from the loss to every survivor holding the
@@ -106,6 +107,8 @@ def run(ranks: int, workers: int, window: float, iteration: float, lease: float)
         killed = next(r[4] for r in records if r[0] == "killed")
         death = _latencies(records, "recovered", 1, killed)
         row["death_ms"] = (1000 * statistics.median(death), 1000 * death[-1], len(death)) if death else None
+        flagged = sorted(r[3] - killed for r in records if r[0] == "recovered" and r[2] == 1 and r[3])
+        row["flag_ms"] = (1000 * statistics.median(flagged), 1000 * flagged[-1]) if flagged else None
         recovered = [r for r in records if r[0] == "recovered"]
         row["death_bytes_per_rank"] = statistics.mean(r[5] for r in recovered) if recovered else 0
         row["death_ops_per_rank"] = statistics.mean(r[6] for r in recovered) if recovered else 0
@@ -237,8 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     count_store_operations()
     print(
         f"{'ranks':>6} {'nodes':>5} {'start s':>7} {'ops/s':>9} {'per node':>8} {'coord':>7} {'boundary ms':>12} "
-        f"{'B/rank':>7} {'death ms (n)':>18} {'B/rank':>7} {'ops/rank':>8} {'+watcher':>8} {'node loss ms (n)':>20} "
-        f"{'hung':>4}"
+        f"{'B/rank':>7} {'death ms (n)':>18} {'flag ms':>12} {'B/rank':>7} {'ops/rank':>8} {'+watcher':>8} "
+        f"{'node loss ms (n)':>20} {'hung':>4}"
     )
     last = None
     for n in args.ranks:
@@ -251,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{row['ranks']:>6} {row['nodes']:>5} {row['start_s']:>7.1f} {row['ops_per_s']:>9.0f} "
             f"{row['ops_per_s_per_node']:>8.0f} {row['coordinator_ops_per_s']:>7.0f} {_fmt(row['boundary_ms']):>12} "
-            f"{row['boundary_bytes_per_rank']:>7.0f} {_fmt(row['death_ms']):>18} {row['death_bytes_per_rank']:>7.0f} "
+            f"{row['boundary_bytes_per_rank']:>7.0f} {_fmt(row['death_ms']):>18} {_fmt(row['flag_ms']):>12} "
+            f"{row['death_bytes_per_rank']:>7.0f} "
             f"{row['death_ops_per_rank']:>8.1f} {row['death_watcher_ops_per_rank']:>8.1f} "
             f"{_fmt(row['node_ms']):>20} {row['declared_hung']:>4}",
             flush=True,
