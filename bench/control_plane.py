@@ -9,12 +9,16 @@ iterations that sleep) in worker processes; every store client counts its operat
   to the last member holding the decision) with the bytes each rank read for it;
 - a process death (a rank of node 1 stops; its node's agent reports the exit as waitpid would):
   from the death to every survivor holding the recovery decision ("flag ms": to every survivor's
-  failure watcher raising its flag, the detection's share), with the bytes each survivor read
-  and the store operations it made for it (its recovery's client; then the same per survivor at
-  16,384 ranks, against the store's capacity with ``--capacity``);
+  failure watcher raising its flag, the detection's share), with the bytes each survivor read, its
+  calls and the store operations the death cost (then the same at 16,384 ranks, against the
+  store's capacity with ``--capacity``);
 - a node loss (node 2's agent and ranks stop at once): from the loss to every survivor holding the
   decision (the lease timeout plus the protocol's part);
 - healthy ranks declared failed (a saturated store delays heartbeats and leases).
+
+A death's "ops/rank" are a survivor's store operations (its recovery's and, "+watch", its failure
+watcher's); "store ops" is what reached the store from every client between the death and the last
+survivor's decision, less the steady load over that time (and, on a comment line, by kind).
 
 - with ``--capacity``, first: the store server's saturation point (2 processes x 32 clients sending
   small operations back to back), with the libuv backend and the classic one;
@@ -39,6 +43,7 @@ ops/s per node`` for the largest N run.
 from __future__ import annotations
 
 import argparse
+import collections
 import statistics
 import sys
 import time
@@ -52,9 +57,11 @@ AT_SCALE = 16384
 """The job size the issue sets: the measured per-rank costs are carried to it."""
 
 
+KINDS = ("get", "set", "add", "compare_set", "check", "wait", "multi_get", "multi_set", "delete_key")
+
+
 def _ops(before, after, seconds: float) -> float:
-    keys = ("get", "set", "add", "compare_set", "check", "wait", "multi_get", "multi_set", "delete_key")
-    return sum(after[k] - before[k] for k in keys) / seconds
+    return sum(after[k] - before[k] for k in KINDS) / seconds
 
 
 def _latencies(records, kind: str, epoch: int, since: float) -> list[float]:
@@ -63,15 +70,19 @@ def _latencies(records, kind: str, epoch: int, since: float) -> list[float]:
 
 def _collect(
     harness: Harness, kind: str, epoch: int, count: int, timeout: float, taken: list[tuple] | None = None
-) -> list[tuple]:
+) -> tuple[list[tuple], collections.Counter, float]:
     """Reports until ``count`` ranks recorded ``kind`` for ``epoch`` (or the timeout), counting the
-    records already ``taken`` (each report hands a record over once)."""
+    records already ``taken`` (each report hands a record over once); with the store operations
+    made so far (every client's) and when the last report came."""
     taken = list(taken or [])
     deadline = time.monotonic() + timeout
+    ops, at = collections.Counter(), time.monotonic()
     while sum(1 for r in taken if r[0] == kind and r[2] == epoch) < count and time.monotonic() < deadline:
-        time.sleep(0.5)
-        taken.extend(harness.report()[2])
-    return taken
+        time.sleep(0.25)
+        coordinator, nodes, records = harness.report()
+        taken.extend(records)
+        ops, at = coordinator + nodes, time.monotonic()
+    return taken, ops, at
 
 
 def run(ranks: int, workers: int, window: float, iteration: float, lease: float) -> dict:
@@ -101,9 +112,16 @@ def run(ranks: int, workers: int, window: float, iteration: float, lease: float)
         row["boundary_ms"] = (1000 * statistics.median(latest), 1000 * max(latest)) if latest else None
         row["boundary_bytes_per_rank"] = statistics.mean(r[5] for r in records if r[0] == "boundary") if records else 0
 
+        coordinator2, nodes2, _ = harness.report()
+        before, since = coordinator2 + nodes2, time.monotonic()
         harness.command(1, "kill_rank", PER_NODE + 1)
         survivors = ranks - 1
-        records = _collect(harness, "recovered", 1, survivors, timeout=120.0)
+        records, after, until = _collect(harness, "recovered", 1, survivors, timeout=120.0)
+        # Every client's operations from the death to the last survivor's decision, less the steady
+        # load over that time: what the death cost the store.
+        row["death_store_ops"] = _ops(before, after, 1.0) - total * (until - since)
+        kinds = {k: after[k] - before[k] for k in KINDS if after[k] - before[k]}
+        print(f"#   {ranks} ranks: a death's store ops by kind (steady load included): {kinds}")
         killed = next(r[4] for r in records if r[0] == "killed")
         death = _latencies(records, "recovered", 1, killed)
         row["death_ms"] = (1000 * statistics.median(death), 1000 * death[-1], len(death)) if death else None
@@ -117,7 +135,7 @@ def run(ranks: int, workers: int, window: float, iteration: float, lease: float)
 
         harness.command(2, "kill_node", 2)
         survivors -= PER_NODE
-        records = _collect(harness, "recovered", 2, survivors, timeout=120.0 + lease)
+        records, _, _ = _collect(harness, "recovered", 2, survivors, timeout=120.0 + lease)
         lost = next(r[4] for r in records if r[0] == "killed_node")
         node = _latencies(records, "recovered", 2, lost)
         row["node_ms"] = (1000 * statistics.median(node), 1000 * node[-1], len(node)) if node else None
@@ -240,41 +258,40 @@ def main(argv: list[str] | None = None) -> int:
     count_store_operations()
     print(
         f"{'ranks':>6} {'nodes':>5} {'start s':>7} {'ops/s':>9} {'per node':>8} {'coord':>7} {'boundary ms':>12} "
-        f"{'B/rank':>7} {'death ms (n)':>18} {'flag ms':>12} {'B/rank':>7} {'ops/rank':>8} {'+watcher':>8} "
-        f"{'node loss ms (n)':>20} {'hung':>4}"
+        f"{'B/rank':>7} {'death ms (n)':>18} {'flag ms':>12} {'B/rank':>7} {'ops/rank':>8} {'+watch':>6} "
+        f"{'store ops':>9} {'node loss ms (n)':>20} {'hung':>4}"
     )
-    last = None
+    rows = []
     for n in args.ranks:
         try:
             row = run(n, args.workers, args.window, args.iteration, args.lease)
         except Exception as error:  # report how far it got, go on with the next N
             print(f"{n:>6} failed: {type(error).__name__}: {error}", flush=True)
             continue
-        last = row
+        rows.append(row)
         print(
             f"{row['ranks']:>6} {row['nodes']:>5} {row['start_s']:>7.1f} {row['ops_per_s']:>9.0f} "
             f"{row['ops_per_s_per_node']:>8.0f} {row['coordinator_ops_per_s']:>7.0f} {_fmt(row['boundary_ms']):>12} "
             f"{row['boundary_bytes_per_rank']:>7.0f} {_fmt(row['death_ms']):>18} {_fmt(row['flag_ms']):>12} "
-            f"{row['death_bytes_per_rank']:>7.0f} "
-            f"{row['death_ops_per_rank']:>8.1f} {row['death_watcher_ops_per_rank']:>8.1f} "
+            f"{row['death_bytes_per_rank']:>7.0f} {row['death_ops_per_rank']:>8.1f} "
+            f"{row['death_watcher_ops_per_rank']:>6.1f} {row['death_store_ops']:>9.0f} "
             f"{_fmt(row['node_ms']):>20} {row['declared_hung']:>4}",
             flush=True,
         )
-    if last is None:
+    if not rows:
         print("control plane: no N could be run")
         return 1
-    if last["death_ops_per_rank"]:
-        at = AT_SCALE
-        per_rank = last["death_ops_per_rank"] + last["death_watcher_ops_per_rank"]
-        total = (at - 1) * per_rank
-        line = (
-            f"a process death at {at} ranks: {total:.3g} store ops to the decision ({per_rank:.1f} per survivor at "
-            f"{last['ranks']} ranks: {last['death_ops_per_rank']:.1f} its recovery's, "
-            f"{last['death_watcher_ops_per_rank']:.1f} its failure watcher's)"
-        )
-        if capacity:
-            line += f", {total / capacity:.2f} s of the store's thread at {capacity:.0f} ops/s"
-        print(line)
+    last = rows[-1]
+    per = last["death_store_ops"] / (last["ranks"] - 1)
+    total = (AT_SCALE - 1) * per
+    line = (
+        f"a process death at {AT_SCALE} ranks: {total:.3g} store ops to the decision ({per:.1f} per survivor at "
+        f"{last['ranks']} ranks, every client's; a survivor's own: {last['death_ops_per_rank']:.1f} its "
+        f"recovery's, {last['death_watcher_ops_per_rank']:.1f} its failure watcher's)"
+    )
+    if capacity:
+        line += f", {total / capacity:.2f} s of the store's thread at {capacity:.0f} ops/s"
+    print(line)
     death = "-" if last["death_ms"] is None else f"{last['death_ms'][1]:.0f}"
     node = "-" if last["node_ms"] is None else f"{last['node_ms'][1]:.0f}"
     print(

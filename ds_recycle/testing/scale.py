@@ -194,12 +194,12 @@ class EmulatedRank:
         before, ops = agent.store.bytes_read, agent.store.ops
         members = agent.current.members
         decision = agent.recover(Progress(done, False), members, 30.0, 60.0)
+        held, raised_at = time.time(), watcher.raised_at
         watcher.acknowledge(agent.applied)
-        held = time.time()
         epoch = decision.next.epoch
         read, made = agent.store.bytes_read - before, agent.store.ops - ops
         watched, self.watcher_ops = watcher.store.ops - self.watcher_ops, watcher.store.ops
-        self.records.append(("recovered", agent.slot, epoch, watcher.raised_at, held, read, made, watched))
+        self.records.append(("recovered", agent.slot, epoch, raised_at, held, read, made, watched))
         if agent.slot not in decision.next.members:
             return -1
         agent.enter(decision.next, watcher.flag.is_set, 60.0)
