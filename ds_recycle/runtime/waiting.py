@@ -59,9 +59,9 @@ class FailureWatcher:
     """Another client of the store: :meth:`stop` sets this watcher's key with it to wake it."""
     on_changes: Callable[..., bool] | None = None
     """Given the watcher's store client (and at a wake the ``alert`` count it read), at start and
-    at every wake: the rank takes in the changes
-    published so far and says whether a failure among them concerns its peers. One that does not
-    (a joiner that died before it was admitted, or no failure at all) is taken as seen, not raised."""
+    at every wake: the rank takes in the changes published so far and says whether a failure among
+    them concerns its peers. One that does not (a joiner that died before it was admitted, or no
+    failure at all) is taken as seen, not raised."""
     seen: int = 0
     """How many changes of ``pending`` were taken into account."""
     flag: threading.Event = field(default_factory=threading.Event)
