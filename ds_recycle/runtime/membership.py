@@ -274,7 +274,11 @@ class MembershipAgent:
 
     def _wait_for_failure(self, slots: set[int], detect_timeout: float) -> None:
         """Until a failure among ``slots`` is published: blocks on this slot's next alert key (the
-        coordinator sets it with every change), probing every PROBE_AFTER_SECONDS."""
+        coordinator sets it with every change), probing every PROBE_AFTER_SECONDS. No store
+        operation when the changes the watcher read last hold one (it raised the flag for it)."""
+        known = self._known
+        if known is not None and self._failure_in(known, slots):
+            return
         started, probes = time.monotonic(), 0
         while True:
             pending = self._read_pending()
