@@ -10,7 +10,7 @@ iterations that sleep) in worker processes; every store client counts its operat
 - a process death (a rank of node 1 stops; its node's agent reports the exit as waitpid would):
   from the death to every survivor holding the recovery decision ("flag ms": to every survivor's
   failure watcher raising its flag, the detection's share), with the bytes each survivor read, its
-  calls and the store operations the death cost (then the same at 16,384 ranks, against the
+  own store operations and those the death cost (then the same at 16,384 ranks, against the
   store's capacity with ``--capacity``);
 - a node loss (node 2's agent and ranks stop at once): from the loss to every survivor holding the
   decision (the lease timeout plus the protocol's part);

@@ -301,7 +301,8 @@ class MembershipAgent:
 
     def _take(self, decision: Decision) -> Decision:
         """Apply ``decision``. Its decider publishes the epoch it makes; the others do only if it
-        is still not published when they enter it (:meth:`enter`)."""
+        is still not published when they enter it (:meth:`enter`) or look at the latest epoch
+        (:meth:`refresh`)."""
         self.applied = decision.applied
         if decision.next is not None:
             self._records[decision.next.epoch] = decision.next
