@@ -17,8 +17,9 @@ iterations that sleep) in worker processes; every store client counts its operat
 - healthy ranks declared failed (a saturated store delays heartbeats and leases).
 
 A death's "ops/rank" are a survivor's store operations (its recovery's and, "+watch", its failure
-watcher's); "store ops" is what reached the store from every client between the death and the last
-survivor's decision, less the steady load over that time (and, on a comment line, by kind).
+watcher's, which go to its node's store: ``ds_recycle.runtime.node_watch``); "store ops" is what
+reached the job's store from every client between the death and the last survivor's decision, less
+the steady load over that time (and, on a comment line, by kind, with the nodes' stores' apart).
 
 - with ``--capacity``, first: the store server's saturation point (2 processes x 32 clients sending
   small operations back to back), with the libuv backend and the classic one;
@@ -121,7 +122,9 @@ def run(ranks: int, workers: int, window: float, iteration: float, lease: float)
         # load over that time: what the death cost the store.
         row["death_store_ops"] = _ops(before, after, 1.0) - total * (until - since)
         kinds = {k: after[k] - before[k] for k in KINDS if after[k] - before[k]}
-        print(f"#   {ranks} ranks: a death's store ops by kind (steady load included): {kinds}")
+        local = {k[5:]: after[k] - before[k] for k in sorted(after) if k.startswith("node ") and after[k] - before[k]}
+        local.pop("bytes_read", None)
+        print(f"#   {ranks} ranks: a death's store ops by kind (steady load included): {kinds}; nodes' stores: {local}")
         killed = next(r[4] for r in records if r[0] == "killed")
         death = _latencies(records, "recovered", 1, killed)
         row["death_ms"] = (1000 * statistics.median(death), 1000 * death[-1], len(death)) if death else None
@@ -287,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     line = (
         f"a process death at {AT_SCALE} ranks: {total:.3g} store ops to the decision ({per:.1f} per survivor at "
         f"{last['ranks']} ranks, every client's; a survivor's own: {last['death_ops_per_rank']:.1f} its "
-        f"recovery's, {last['death_watcher_ops_per_rank']:.1f} its failure watcher's)"
+        f"recovery's, {last['death_watcher_ops_per_rank']:.1f} its failure watcher's on its node's store)"
     )
     if capacity:
         line += f", {total / capacity:.2f} s of the store's thread at {capacity:.0f} ops/s"

@@ -701,7 +701,8 @@ class Coordinator:
     def _append_all(self, changes: list[tuple]) -> None:
         """Append ``changes`` (kind, slot, time, detail[, target]) in one write: a decision takes all
         or none (``alert`` counts them only once their keys are written). One more write wakes
-        every rank's watcher (each blocks on its own slot's next alert key): no rank polls."""
+        every node's agent (each blocks on its own node's next alert key, and wakes its ranks'
+        watchers in turn: :mod:`ds_recycle.runtime.node_watch`): no one polls."""
         if not changes:
             return
         with self._lock:
@@ -709,7 +710,7 @@ class Coordinator:
             for kind, slot, when, detail, *target in changes:
                 self._pending.append(Change(len(self._pending), kind, slot, when, detail, *target))
             new = self._pending[start:]
-        proto.append_changes(self._store, start, new, self.world_size)
+        proto.append_changes(self._store, start, new, self.nodes.count)
 
     def _last_change(self, slot: int) -> Change | None:
         with self._lock:

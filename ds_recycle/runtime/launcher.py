@@ -55,6 +55,7 @@ from ds_recycle.runtime import protocol as proto
 from ds_recycle.runtime.coordinator import Coordinator, HeartbeatPolicy, RankExit, describe_returncode
 from ds_recycle.runtime.host import CoordinatorHost, HostConfig, NodesMissing, raise_descriptor_limit
 from ds_recycle.runtime.node import CoordinatorGone, NodeLink, NodeRefused, await_generation
+from ds_recycle.runtime.node_watch import NodeWatch
 from ds_recycle.runtime.preload import PreloadedProcess, Preloader, PreloadError, check_argv, die_with_parent
 from ds_recycle.runtime.protocol import Membership
 
@@ -258,6 +259,8 @@ class Launcher:
         self.host: CoordinatorHost | None = None
         self._address: tuple[str, int] | None = None
         self.coordinator: Coordinator | NodeLink | None = None
+        self.node_watch: NodeWatch | None = None
+        """The node's store and its copy of the job's changes, for this generation's ranks."""
         self._preloader: Preloader | None = None
         self._preload_failed = False
         self.beats_dir = tempfile.mkdtemp(prefix=f"ds_recycle_beats_node{config.node_rank}_")
@@ -290,6 +293,8 @@ class Launcher:
                 self.coordinator.end(code)
             elif self.coordinator is not None:
                 self.coordinator.stop()
+            if self.node_watch is not None:
+                self.node_watch.stop()
             if self.host is not None:
                 self.host.stop()
             if self._preloader is not None:
@@ -353,10 +358,23 @@ class Launcher:
             self.coordinator = self._link_to_coordinator(f"{host}:{port}", self.generation)
             first_incarnation = self.coordinator.node_incarnation - 1
             self.coordinator.start()  # a host's coordinator was started by host.start
+        self._watch_changes()
         self.restart_requested = False
         for s in self.slots:
             s.incarnation, s.respawn_at = first_incarnation, None
             self._spawn(s)
+
+    def _watch_changes(self) -> None:
+        """This generation's node store, with the job's changes copied in for the ranks' watchers
+        (:mod:`ds_recycle.runtime.node_watch`); the previous generation's is closed."""
+        if self.node_watch is not None:
+            self.node_watch.stop()
+            self.node_watch = None
+        if not self.config.membership:
+            return
+        host, port = self.address
+        slots = range(self.slots[0].slot, self.slots[-1].slot + 1)
+        self.node_watch = NodeWatch(f"{host}:{port}", self.generation, self.config.node_rank, slots, self.log).start()
 
     def _await_generation(self, last: int, newer_only: bool = True) -> int:
         """Check in at the coordinator's store and wait until it runs a generation after ``last``
@@ -434,6 +452,7 @@ class Launcher:
                     proto.ENV_TOKEN: self.token,
                     proto.ENV_INCARNATION: str(s.incarnation),
                     proto.ENV_GENERATION: str(self.generation),
+                    proto.ENV_NODE_STORE: self.node_watch.address,
                 }
             )
             if self.generation > 0:

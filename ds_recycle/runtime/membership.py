@@ -78,6 +78,11 @@ class MembershipAgent:
     incarnation: int
     generation: int
     store: Store | None = None
+    node_address: str | None = None
+    """The node's store (``DS_RECYCLE_NODE_STORE``): the node's agent copies the job's changes
+    there, and this rank's watcher waits on it (:mod:`ds_recycle.runtime.node_watch`)."""
+    node_store: Store | None = None
+    """The agent's client of the node's store."""
     current: Membership | None = None
     applied: int = 0
     """How many entries of ``pending`` the decisions so far have taken."""
@@ -91,7 +96,8 @@ class MembershipAgent:
     _records: dict[int, Membership] = field(default_factory=dict, repr=False)
     """Epoch records read so far (:meth:`_latest`)."""
     _leavers: dict[int, set[int]] = field(default_factory=dict, repr=False)
-    """By epoch: the leavers the boundary decision that made it took out (:meth:`_concerned`)."""
+    """By epoch: the leavers the boundary decision that made it took out (:meth:`_concerned`), noted
+    from each decision this agent takes, read for a later epoch it has not taken."""
     beats_dir: str | None = None
     """The node's beat directory (``DS_RECYCLE_BEATS``): the heartbeat goes there, for the node's
     agent to relay (:mod:`ds_recycle.runtime.beats`)."""
@@ -113,9 +119,13 @@ class MembershipAgent:
             incarnation=int(environ.get(proto.ENV_INCARNATION, "0")),
             generation=int(environ.get(proto.ENV_GENERATION, "0")),
             beats_dir=environ.get(proto.ENV_BEATS),
+            node_address=environ.get(proto.ENV_NODE_STORE),
         )
+        if not agent.node_address:
+            raise MembershipError(f"{proto.ENV_NODE_STORE} is not set: start the ranks with ds-recycle launch")
         try:
             agent.store = agent.connect()
+            agent.node_store = agent.connect_node()
         except ValueError as error:
             raise MembershipError(str(error)) from None
         agent.current = proto.read_membership(agent.store)
@@ -124,6 +134,10 @@ class MembershipAgent:
     def connect(self) -> Store:
         """A client of its own, for a thread that must not share the agent's."""
         return proto.connect(self.address, self.generation)
+
+    def connect_node(self) -> Store:
+        """A client of the node's store of its own (the failure watcher's)."""
+        return proto.connect(self.node_address, self.generation)
 
     @property
     def is_joiner(self) -> bool:
@@ -186,7 +200,7 @@ class MembershipAgent:
         )
         if decision == proposal and decision.next is not None:
             self._publish(decision.next, epoch)
-        return self._take(decision)
+        return self._take(decision, at_boundary=True)
 
     def recover(self, progress: Progress, running: tuple[int, ...], detect_timeout: float, timeout: float) -> Decision:
         """The survivors' one decision after a failure in the current epoch.
@@ -242,7 +256,7 @@ class MembershipAgent:
                 posted = [proto.progress_key(epoch, s) for s in survivors]
                 missing = [s for s, k in zip(survivors, posted, strict=True) if not self.store.check([k])]
                 raise MembershipError(f"survivors {missing} did not report their progress within {timeout:.0f} s")
-        return self._take(Decision.from_json(self.store.get(key)))
+        return self._take(Decision.from_json(self.store.get(key)), at_boundary=False)
 
     def _propose_recovery(self, epoch: int, pending: list[Change], count: int | None = None) -> None:
         """Fix epoch ``epoch``'s recovery decision if every survivor (as ``pending``, the changes
@@ -273,9 +287,9 @@ class MembershipAgent:
         return int(self.store.add(proto.progress_count_key(epoch), 1))
 
     def _wait_for_failure(self, slots: set[int], detect_timeout: float) -> None:
-        """Until a failure among ``slots`` is published: blocks on this slot's next alert key (the
-        coordinator sets it with every change), probing every PROBE_AFTER_SECONDS. No store
-        operation when the changes the watcher read last hold one (it raised the flag for it)."""
+        """Until a failure among ``slots`` is published: blocks on this slot's next alert key in the
+        node's store (set when a change is copied there), probing every PROBE_AFTER_SECONDS. No
+        store operation when the changes the watcher read last hold one (it raised the flag for it)."""
         known = self._known
         if known is not None and self._failure_in(known, slots):
             return
@@ -297,15 +311,16 @@ class MembershipAgent:
                 probes += 1
                 if probes == 1:
                     logger.info(f"ReCycle: slot {self.slot} asked the coordinator which peer stopped answering")
-            _wait_for_key(self.store, proto.alert_key(self.slot, alerts + 1), PROBE_AFTER_SECONDS)
+            _wait_for_key(self.node_store, proto.alert_key(self.slot, alerts + 1), PROBE_AFTER_SECONDS)
 
-    def _take(self, decision: Decision) -> Decision:
-        """Apply ``decision``. Its decider publishes the epoch it makes; the others do only if it
-        is still not published when they enter it (:meth:`enter`) or look at the latest epoch
-        (:meth:`refresh`)."""
+    def _take(self, decision: Decision, at_boundary: bool) -> Decision:
+        """Apply ``decision`` (made ``at_boundary``, or by a recovery). Its decider publishes the
+        epoch it makes; the others do only if it is still not published when they enter it
+        (:meth:`enter`) or look at the latest epoch (:meth:`refresh`)."""
         self.applied = decision.applied
         if decision.next is not None:
             self._records[decision.next.epoch] = decision.next
+            self._leavers[decision.next.epoch] = proto.boundary_leavers(decision) if at_boundary else set()
             self.current = decision.next
         return decision
 
@@ -321,12 +336,12 @@ class MembershipAgent:
         return proto.read_pending(store or self.store, self._known, count)
 
     def note_changes(self, store: Store, count: int | None = None) -> bool:
-        """For the watcher (its own store client), at its start and whenever changes were published
-        (``count``: the ``alert`` count it just read): take ``pending`` in (the next boundary
-        proposes what it holds), and say whether a failure in it concerns this rank: one of a member
-        of this rank's epoch, of the latest decided one, or of a leaver the decision making the
-        latest one took out (it died before it finished the iteration its leave closed). A joiner
-        that died before it was admitted concerns nobody."""
+        """For the watcher (its own client of the node's store), at its start and whenever changes
+        were copied there (``count``: the ``alert`` count it just read): take ``pending`` in (the
+        next boundary proposes what it holds), and say whether a failure in it concerns this rank:
+        one of a member of this rank's epoch, of the latest decided one, or of a leaver the decision
+        making the latest one took out (it died before it finished the iteration its leave closed).
+        A joiner that died before it was admitted concerns nobody."""
         pending = self._read_pending(store, count)
         relevant = self._failure_in(pending, self._concerned(self.current, self._latest(store), store))
         # Taken in last, just before the watcher raises its flag: a boundary that already holds a
@@ -338,17 +353,23 @@ class MembershipAgent:
     def _concerned(self, current: Membership, latest: Membership, store: Store) -> set[int]:
         """The slots whose failure stops a rank in epoch ``current`` when ``latest`` is the newest
         decided epoch: the members of both, and the leavers that the boundary decision making
-        ``latest`` took out (:func:`~ds_recycle.runtime.protocol.left_at_boundary`). Read once per
-        epoch: ``latest`` is published, so the decision that made it is written; a boundary
-        decision a straggler writes later at the same key did not make it."""
+        ``latest`` took out (noted when this agent took it, else read once per epoch:
+        :func:`~ds_recycle.runtime.protocol.left_at_boundary`). ``latest`` is published, so the
+        decision that made it is written; a boundary decision a straggler writes later at the same
+        key did not make it."""
         leavers = self._leavers.get(latest.epoch)
         if leavers is None:
             leavers = self._leavers[latest.epoch] = proto.left_at_boundary(latest, store)
         return set(current.members) | set(latest.members) | leavers
 
     def _latest(self, store: Store) -> Membership:
-        """The latest decided membership; an epoch's record, written once, is read once."""
+        """The latest decided membership: the store's (the node's copy, made after the changes the
+        watcher woke for were published), or this agent's own when it took a later one. An epoch's
+        record, written once, is read once."""
         epoch = int(store.get(proto.CURRENT_EPOCH))
+        current = self.current
+        if current is not None and current.epoch > epoch and current.epoch in self._leavers:
+            return current
         membership = self._records.get(epoch)
         if membership is None:
             membership = self._records[epoch] = proto.read_membership(store, epoch)
@@ -427,20 +448,23 @@ class MembershipAgent:
         the epoch before it, apart from those that did."""
         epoch = int(self.store.get(proto.CURRENT_EPOCH))
         if epoch > self.current.epoch:
-            latest = proto.read_membership(self.store, epoch)
-            self.current = latest
-            self.applied = self.decision_creating(latest).applied
+            self._take(*self._creating(proto.read_membership(self.store, epoch)))
         elif epoch < self.current.epoch:
             self._publish(self.current, epoch)
         return self.current
 
     def decision_creating(self, membership: Membership) -> Decision:
         """The decision (a boundary or a recovery) that created ``membership``."""
+        return self._creating(membership)[0]
+
+    def _creating(self, membership: Membership) -> tuple[Decision, bool]:
+        """The decision that created ``membership``, and whether it was made at a boundary."""
         previous = membership.epoch - 1
-        for key in (proto.decision_key(previous, membership.iteration), proto.recovery_key(previous)):
+        boundary, recovery = proto.decision_key(previous, membership.iteration), proto.recovery_key(previous)
+        for key in (boundary, recovery):
             decision = proto.read_decision(self.store, key)
             if decision is not None and decision.next == membership:
-                return decision
+                return decision, key == boundary
         raise MembershipError(f"no decision created epoch {membership.epoch}")
 
     def created_by_recovery(self, membership: Membership) -> bool:
@@ -467,8 +491,7 @@ class MembershipAgent:
         self.request(proto.JOIN)
         self.requested_at = time.time()
         current = self._wait_for_epoch(lambda m: self.slot in m.members, deadline, "admitted it")
-        self.current = current
-        self.applied = self.decision_creating(current).applied
+        self._take(*self._creating(current))
         return current
 
     def _wait_for_epoch(self, condition, deadline: float, what: str) -> Membership:

@@ -26,10 +26,10 @@ change/<seq>                    one :class:`Change` of ``pending``, the job's   
                                 that will not be started again)
 alert                           counter: how many changes there are (moved on after    launcher
                                 their keys are written): a reader reads only new ones
-alert/<slot>/<k>                set for every slot, in one write, when ``alert`` is k;  launcher
-                                a rank's watcher blocks on its own next one (and sets  (its own
-                                it to wake itself when it stops): every change wakes    at stop)
-                                every rank, and no rank polls for changes
+node_alert/<node>/<k>           set for every node, in one write, when ``alert`` is k;  launcher
+                                the node's agent blocks on its own next one and copies (its own
+                                the changes into the node's store (below): every        at stop)
+                                change wakes every node, and no one polls for changes
 decision/<n>/<i>                :class:`Decision` for epoch n at the end of iteration i  members
 progress/<n>/<slot>             a survivor's :class:`Progress` after a failure in n     members
 progress_count/<n>              counter: survivors that posted their progress in n      members
@@ -50,6 +50,13 @@ status                          :class:`StatusReport` JSON: the current plan (ti
                                 stragglers, Gantt), each slot's worker, the last       surviving
                                 changes with their latencies (read by the status page)  member
 ==============================  =====================================================  ==========
+
+The node's store (``DS_RECYCLE_NODE_STORE``, on 127.0.0.1, hosted by the node's agent:
+:mod:`ds_recycle.runtime.node_watch`) holds a copy of what the ranks' failure watchers read, under the
+same keys and generation prefix: ``change/<seq>``, the latest ``epoch/<n>`` with the boundary
+``decision/<n-1>/<i>`` that made it, ``current_epoch``, ``alert``, and ``alert/<slot>/<k>``, set for
+each of the node's slots when the copy's ``alert`` is k. A rank's watcher blocks on its own next one
+(and sets it to wake itself when it stops). The decisions are taken on the job's store only.
 
 Two keys live outside every generation, at the store's root: ``generation`` (the generation the
 coordinator runs; written once its ``job/<g>/`` keys are) and ``check_in/<node>`` (a
@@ -72,6 +79,7 @@ out the coordinator's kills (``kill/<node>/<k>``).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Protocol
@@ -82,6 +90,9 @@ ENV_TOKEN = "DS_RECYCLE_TOKEN"
 """The job's secret; a request without it is refused."""
 ENV_INCARNATION = "DS_RECYCLE_INCARNATION"
 """0 for a rank's first start, k after its k-th respawn: a process with k > 0 joins a running job."""
+ENV_NODE_STORE = "DS_RECYCLE_NODE_STORE"
+"""``127.0.0.1:port`` of the node's store, where the node's agent copies the job's changes for its
+ranks' failure watchers (set by ``ds-recycle launch``)."""
 ENV_BEATS = "DS_RECYCLE_BEATS"
 """The node-local directory where each rank writes its heartbeat (one file per slot) for its node's
 agent to relay (set by ``ds-recycle launch``)."""
@@ -187,8 +198,14 @@ def change_key(seq: int) -> str:
 
 
 def alert_key(slot: int, count: int) -> str:
-    """Set once ``alert`` reached ``count``: what ``slot``'s failure watcher blocks on."""
+    """In the node's store, set once its ``alert`` reached ``count``: what ``slot``'s failure
+    watcher blocks on."""
     return f"alert/{slot}/{count}"
+
+
+def node_alert_key(node: int, count: int) -> str:
+    """Set once ``alert`` reached ``count``: what node ``node``'s agent blocks on."""
+    return f"node_alert/{node}/{count}"
 
 
 def ready_key(epoch: int) -> str:
@@ -293,14 +310,36 @@ def read_pending(store: Store, known: list[Change] | None = None, count: int | N
     return known + [Change.from_json(value) for value in values]
 
 
-def append_changes(store: Store, start: int, changes: list[Change], world_size: int) -> int:
-    """The launcher's one write of new changes (``start`` = how many there were): their keys, then
-    ``alert``, then every slot's alert key for each (one ``multi_set`` wakes every watcher). Returns
-    the new count."""
-    store.multi_set([change_key(c.seq) for c in changes], [c.to_json() for c in changes])
-    count = int(store.add(ALERT, len(changes)))
-    keys = [alert_key(slot, k) for k in range(start + 1, count + 1) for slot in range(world_size)]
-    store.multi_set(keys, ["1"] * len(keys))
+def append_changes(store: Store, start: int, changes: list[Change], nodes: int) -> int:
+    """The launcher's one write of new changes (``start`` = how many there were), which wakes every
+    node's agent (:func:`publish_changes`). Returns the new count."""
+    keys, values = [change_key(c.seq) for c in changes], [c.to_json() for c in changes]
+    return publish_changes(store, keys, values, len(changes), lambda k: [node_alert_key(n, k) for n in range(nodes)])
+
+
+def publish_changes(
+    store: Store, keys: list[str], values: list[str | bytes], added: int, alert_keys: Callable[[int], list[str]]
+) -> int:
+    """Write ``keys`` (``added`` new changes and what goes with them), then move ``alert`` on by
+    ``added``, then set ``alert_keys(k)`` for each new count k, in one ``multi_set``: a waiter woken
+    by its key reads everything written before it. Returns the new count."""
+    store.multi_set(keys, values)
+    count = int(store.add(ALERT, added))
+    woken = [key for k in range(count - added + 1, count + 1) for key in alert_keys(k)]
+    if woken:
+        store.multi_set(woken, ["1"] * len(woken))
+    return count
+
+
+def alert_count_after(store: Store, key: str, seen: int) -> int:
+    """The ``alert`` count once ``key``, a waiter's next alert key after ``seen`` changes, is set.
+    A key set by a stop (the waiter woke itself, or an earlier waiter of its slot or node did) is
+    deleted; then the count is read again, since the writer may have set the key for real just
+    before the delete (it counts first)."""
+    count = int(store.add(ALERT, 0))
+    if count <= seen:
+        store.delete_key(key)
+        count = int(store.add(ALERT, 0))
     return count
 
 
@@ -324,6 +363,11 @@ def left_at_boundary(membership: Membership, store: Store) -> set[int]:
     decision = read_decision(store, decision_key(membership.epoch - 1, membership.iteration))
     if decision is None or decision.next != membership:
         return set()
+    return boundary_leavers(decision)
+
+
+def boundary_leavers(decision: Decision) -> set[int]:
+    """The leavers a boundary decision takes out, alive then (not failed in it)."""
     failed = {c.slot for c in decision.changes if c.kind == FAILED}
     return {c.slot for c in decision.changes if c.kind == LEAVE and c.slot not in failed}
 

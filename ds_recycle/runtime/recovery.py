@@ -214,7 +214,7 @@ class RankRuntime:
 
     def _start_watcher(self, seen: int | None = None) -> None:
         self.watcher = FailureWatcher(
-            self.agent.connect(), self.engine.slot, self.agent.store, self.agent.note_changes
+            self.agent.connect_node(), self.engine.slot, self.agent.node_store, self.agent.note_changes
         ).start(seen)
         self.engine.waiter.failed = self.watcher.flag
 

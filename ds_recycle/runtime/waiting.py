@@ -46,17 +46,18 @@ warning line, so it is long: a stopping watcher wakes itself)."""
 class FailureWatcher:
     """Raises :attr:`flag` when the coordinator publishes a failure that concerns this rank.
 
-    It blocks on this slot's next alert key (``alert/<slot>/<seen+1>``), which the coordinator sets
-    for every slot in one write whenever it appends changes to ``pending`` (``alert`` counts them):
-    no store operation while nothing changes. At every wake the rank takes the changes in
+    It blocks on this slot's next alert key (``alert/<slot>/<seen+1>``) in the node's store, which
+    the node's agent sets for each of its slots in one write whenever it has copied new changes of
+    ``pending`` there (:mod:`~ds_recycle.runtime.node_watch`; ``alert`` counts them): no store
+    operation while nothing changes. At every wake the rank takes the changes in
     (:attr:`on_changes`), which is how it learns of leaves and joins without reading at boundaries.
     """
 
     store: object
-    """Its own store client: it is blocked in a wait most of the time."""
+    """Its own client of the node's store: it is blocked in a wait most of the time."""
     slot: int
     waker: object
-    """Another client of the store: :meth:`stop` sets this watcher's key with it to wake it."""
+    """Another client of the node's store: :meth:`stop` sets this watcher's key with it to wake it."""
     on_changes: Callable[..., bool] | None = None
     """Given the watcher's store client (and at a wake the ``alert`` count it read), at start and
     at every wake: the rank takes in the changes published so far and says whether a failure among
@@ -92,10 +93,10 @@ class FailureWatcher:
                 self.store.wait([key], timedelta(seconds=WATCH_TIMEOUT_SECONDS))
                 if self._stop.is_set():
                     return
-                value = self._count_after(key)
+                value = proto.alert_count_after(self.store, key, self.seen)
             except DistStoreError:  # the wait timed out: nothing failed meanwhile
                 continue
-            except Exception:  # the launcher (and its store) is gone: the job is over
+            except Exception:  # the node's agent (and its store) is gone: the job is over
                 self.raise_flag()
                 return
             if value <= self.seen:
@@ -113,16 +114,6 @@ class FailureWatcher:
                 self._acknowledged.clear()
                 self.raise_flag()
             self._acknowledged.wait()  # until recovery took it into account (or stop)
-
-    def _count_after(self, key: str) -> int:
-        """The ``alert`` count once ``key`` is set. A key set by an earlier process of this slot
-        (its watcher woke itself at stop) is deleted: then the count is read again, since the
-        coordinator may have set the key for real just before the delete (it counts first)."""
-        value = int(self.store.add(proto.ALERT, 0))
-        if value <= self.seen:
-            self.store.delete_key(key)
-            value = int(self.store.add(proto.ALERT, 0))
-        return value
 
     def raise_flag(self) -> None:
         if not self.flag.is_set():

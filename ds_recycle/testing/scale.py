@@ -3,10 +3,12 @@
 An emulated rank is a trainer's side of the protocol without torch's engine: the real
 :class:`MembershipAgent` (its heartbeat thread, boundary decisions, recovery and the ready barrier)
 and the real :class:`FailureWatcher`, driven by a loop that sleeps through each iteration instead
-of computing. An emulated node is a real :class:`NodeLink` (lease, reports, kill orders). The
+of computing. An emulated node is a real :class:`NodeLink` (lease, reports, kill orders) and a real
+:class:`NodeWatch` (the node's store, with its copy of the job's changes). The
 coordinator is the real :class:`Coordinator`, in the harness's process beside the TCPStore server.
 Worker processes host the nodes; in them every store client that ``protocol.connect`` opens is a
-:class:`CountingStore`, so the harness counts exactly the operations the real code makes.
+:class:`CountingStore`, so the harness counts exactly the operations the real code makes (those on
+the nodes' own stores apart, in :data:`NODE_COUNTS`: they never reach the job's store).
 
 Iteration boundaries fall on wall-clock multiples of the iteration time, the same for every rank, so
 a boundary decision's latency is the time from the boundary to the last member holding it.
@@ -30,6 +32,7 @@ from ds_recycle.runtime import protocol as proto
 from ds_recycle.runtime.coordinator import Coordinator, HeartbeatPolicy, NodeLayout, RankExit
 from ds_recycle.runtime.membership import MembershipAgent
 from ds_recycle.runtime.node import NodeLink
+from ds_recycle.runtime.node_watch import NodeWatch
 from ds_recycle.runtime.protocol import Membership, Progress
 from ds_recycle.runtime.waiting import FailureWatcher
 from ds_recycle.testing import spawn_context
@@ -40,18 +43,19 @@ THREAD_STACK_BYTES = 256 * 1024
 
 class CountingStore:
     """A store client that counts its operations and the bytes it reads (all instances of one
-    process add into :data:`COUNTS`)."""
+    process add into ``counts``: :data:`COUNTS` by default)."""
 
-    def __init__(self, store: proto.Store) -> None:
+    def __init__(self, store: proto.Store, counts: collections.Counter | None = None) -> None:
         self._store = store
+        self._counts = COUNTS if counts is None else counts
         self.ops = 0
         self.bytes_read = 0
 
     def _count(self, op: str, read: int = 0) -> None:
         self.ops += 1
         self.bytes_read += read
-        COUNTS[op] += 1
-        COUNTS["bytes_read"] += read
+        self._counts[op] += 1
+        self._counts["bytes_read"] += read
 
     def get(self, key: str) -> bytes:
         value = self._store.get(key)
@@ -99,11 +103,16 @@ class CountingStore:
 
 
 COUNTS: collections.Counter = collections.Counter()
+NODE_COUNTS: collections.Counter = collections.Counter()
+"""The operations on the nodes' own stores (:mod:`ds_recycle.runtime.node_watch`)..."""
+NODE_ADDRESSES: set[str] = set()
+"""...at these addresses (each node's, registered before its first client connects)."""
 
 
 def _counting_connect(connect):
     def counted(address: str, generation: int, timeout: float = proto.STORE_TIMEOUT_SECONDS) -> CountingStore:
-        return CountingStore(connect(address, generation, timeout))
+        counts = NODE_COUNTS if address in NODE_ADDRESSES else COUNTS
+        return CountingStore(connect(address, generation, timeout), counts)
 
     counted.counting = True
     return counted
@@ -160,9 +169,10 @@ class EmulatedRank:
     def _run(self) -> None:
         agent = self.agent
         agent.store = agent.connect()
+        agent.node_store = agent.connect_node()
         agent.current = proto.read_membership(agent.store)
         agent.start_heartbeat()
-        watcher = FailureWatcher(agent.connect(), agent.slot, agent.store, agent.note_changes)
+        watcher = FailureWatcher(agent.connect_node(), agent.slot, agent.node_store, agent.note_changes)
         self.watcher = watcher.start()
         self.connected.set()
         done = agent.current.iteration
@@ -225,12 +235,14 @@ def _worker(
     proto.connect(address, 0, timeout=60.0)
     count_store_operations()
     COUNTS.clear()  # forked: the parent's counts are not this process's
+    NODE_COUNTS.clear()
     records: list[tuple] = []
     threading.excepthook = lambda args: records.append(
         ("error", args.thread.name, 0, 0.0, time.time(), f"{args.exc_type.__name__}: {args.exc_value}")
     )
     ranks: dict[int, EmulatedRank] = {}
     links: dict[int, NodeLink] = {}
+    watches: dict[int, NodeWatch] = {}
 
     def shape_node(slot: int) -> int:
         return slot // shape.per_node
@@ -267,9 +279,18 @@ def _worker(
             link.register()
             link.start()
             links[node] = link
+        watches[node] = _retrying(lambda node=node, slots=slots: NodeWatch(address, 0, node, slots))
+        NODE_ADDRESSES.add(watches[node].address)
+        watches[node].start()
         for slot in slots:
             agent = MembershipAgent(
-                address=address, slot=slot, token=TOKEN, incarnation=0, generation=0, beats_dir=beats_dir(root, node)
+                address=address,
+                slot=slot,
+                token=TOKEN,
+                incarnation=0,
+                generation=0,
+                beats_dir=beats_dir(root, node),
+                node_address=watches[node].address,
             )
             ranks[slot] = EmulatedRank(agent, shape, t0, records)
             ranks[slot].start()
@@ -281,7 +302,8 @@ def _worker(
         if command == "report":
             taken = records[:]
             del records[: len(taken)]
-            events.put(("report", os.getpid(), dict(COUNTS), 0.0, time.time(), taken))
+            counts = {**COUNTS, **{f"node {op}": n for op, n in NODE_COUNTS.items()}}
+            events.put(("report", os.getpid(), counts, 0.0, time.time(), taken))
         elif command == "kill_rank":  # a process death seen by its node's waitpid
             killed = time.time()
             ranks[argument].kill()
@@ -291,6 +313,7 @@ def _worker(
             killed = time.time()
             links[argument].stop(timeout=0.0)
             links[argument]._stop.set()
+            watches[argument]._stop.set()
             for slot in range(argument * shape.per_node, (argument + 1) * shape.per_node):
                 ranks[slot].kill()
             records.append(("killed_node", argument, 0, 0.0, killed, 0))

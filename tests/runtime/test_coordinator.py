@@ -3,8 +3,9 @@
 The launcher's side (starts, exits, the kill callback) is played by the test; the trainers' side
 (requests, epochs) by a store client, as protocol.py describes it, and their heartbeats (with their
 iteration times) by beat files in the node's beat directory.
-At the end, a node's agent link (``NodeLink``) against the same kind of store: its lease, the
-kill orders for its node, and its fence.
+Then the node's watch (``NodeWatch``: the node's store, with its copy of the changes) and the
+trainers' failure watchers on it. At the end, a node's agent link (``NodeLink``) against the same
+kind of store: its lease, the kill orders for its node, and its fence.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ds_recycle.runtime import protocol as proto
 from ds_recycle.runtime.beats import write_beat
 from ds_recycle.runtime.coordinator import Coordinator, HeartbeatPolicy, NodeLayout, RankExit
 from ds_recycle.runtime.node import KILL_CHECK_SECONDS, NodeLink
+from ds_recycle.runtime.node_watch import NodeWatch
 from ds_recycle.runtime.protocol import KillOrder, Lease, Membership, Request
 
 TOKEN = "a" * 32
@@ -38,6 +40,7 @@ class Harness:
         self.store.set(proto.epoch_key(0), Membership(0, tuple(range(WORLD)), 0).to_json())
         self.store.set(proto.CURRENT_EPOCH, "0")
         self.lines: list[str] = []
+        self._node_watch: NodeWatch | None = None
         self.events: list[dict] = []
         self.killed: list[tuple[int, int]] = []
         self.beats_dir = tempfile.mkdtemp(prefix="ds_recycle_test_beats_")
@@ -62,7 +65,25 @@ class Harness:
     def beat(self, slot: int, when: float, iteration_seconds: float | None = None) -> None:
         write_beat(self.beats_dir, slot, proto.Beat(when, iteration_seconds))
 
+    def node_watch(self) -> NodeWatch:
+        """The node's watch (one node of every slot, as without ``nodes``), started at first use."""
+        if self._node_watch is None:
+            self._node_watch = NodeWatch(f"127.0.0.1:{self.server.port}", 0, 0, range(WORLD)).start()
+        return self._node_watch
+
+    def agent(self, slot: int):
+        """Slot ``slot``'s membership agent, as ``MembershipAgent.from_env`` makes it."""
+        from ds_recycle.runtime.membership import MembershipAgent
+
+        agent = MembershipAgent(f"127.0.0.1:{self.server.port}", slot, TOKEN, 0, 0)
+        agent.node_address = self.node_watch().address
+        agent.store, agent.node_store = agent.connect(), agent.connect_node()
+        agent.current = proto.read_membership(agent.store)
+        return agent
+
     def stop(self) -> None:
+        if self._node_watch is not None:
+            self._node_watch.stop()
         self.coordinator.stop()
         shutil.rmtree(self.beats_dir, ignore_errors=True)
 
@@ -413,17 +434,14 @@ def test_late_heartbeats_raise_the_timeout_instead_of_killing_a_slow_member():
 
 
 def _watchers(h: Harness, slots: range) -> list:
-    from ds_recycle.runtime.membership import MembershipAgent
     from ds_recycle.runtime.waiting import FailureWatcher
     from ds_recycle.testing.scale import CountingStore
 
     watchers = []
     for slot in slots:
-        agent = MembershipAgent(f"127.0.0.1:{h.server.port}", slot, TOKEN, 0, 0)
-        agent.store = agent.connect()
-        agent.current = proto.read_membership(agent.store)
-        client = CountingStore(agent.connect())
-        watchers.append(FailureWatcher(client, slot, agent.store, agent.note_changes).start())
+        agent = h.agent(slot)
+        client = CountingStore(agent.connect_node())
+        watchers.append(FailureWatcher(client, slot, agent.node_store, agent.note_changes).start())
     return watchers
 
 
@@ -467,8 +485,8 @@ def test_a_watcher_key_left_by_a_stopped_process_neither_raises_nor_spins_in_its
     h = Harness(HeartbeatPolicy(enabled=False))
     try:
         (first,) = _watchers(h, range(1, 2))
-        first.stop()  # sets alert/1/1 to wake itself: no failure behind it
-        assert h.store.check([proto.alert_key(1, 1)])
+        first.stop()  # sets alert/1/1 in the node's store to wake itself: no failure behind it
+        assert proto.connect(h.node_watch().address, 0).check([proto.alert_key(1, 1)])
         (successor,) = _watchers(h, range(1, 2))
         time.sleep(0.5)
         assert not successor.flag.is_set()
@@ -481,6 +499,47 @@ def test_a_watcher_key_left_by_a_stopped_process_neither_raises_nor_spins_in_its
 
 
 # ---- the other side: a node's agent link (runtime/node.py) ----------------------------------------
+
+
+def test_each_node_copies_the_changes_and_the_latest_epoch_once_and_wakes_its_own_slots_only():
+    """Two nodes of two slots. The coordinator wakes one key per node, not per slot; each node's
+    watch copies the changes, the epoch a boundary decided (with the decision, for its leavers) and
+    ``current_epoch`` into the node's store, then sets its own slots' alert keys there."""
+    h = Harness(HeartbeatPolicy(enabled=False), NodeLayout(2, 2, 60.0))
+    address = f"127.0.0.1:{h.server.port}"
+    watches = [NodeWatch(address, 0, node, range(2 * node, 2 * node + 2)).start() for node in (0, 1)]
+    try:
+        local = [proto.connect(w.address, 0) for w in watches]
+        h.request(proto.LEAVE, 3)
+        h.wait_for_line("accepted leave of slot 3")
+        _decide_at_boundary(h, (0, 1, 2), 0)
+        h.request(proto.JOIN, 3)
+        h.wait_for_line("accepted join of slot 3")
+        assert _wait(lambda: all(w.seen == 2 for w in watches)), "every node copies both changes"
+        assert not h.store.check([proto.alert_key(0, 1)]), "no per-slot key in the job's store"
+        assert all(h.store.check([proto.node_alert_key(node, 2)]) for node in (0, 1))
+        for node, store in enumerate(local):
+            assert proto.read_pending(store) == h.pending()
+            assert int(store.get(proto.CURRENT_EPOCH)) == 1
+            assert proto.read_membership(store).members == (0, 1, 2)
+            assert proto.left_at_boundary(proto.read_membership(store), store) == {3}, "the decision is copied"
+            own, other = range(2 * node, 2 * node + 2), range(2 - 2 * node, 4 - 2 * node)
+            assert all(store.check([proto.alert_key(s, k)]) for s in own for k in (1, 2))
+            assert not any(store.check([proto.alert_key(s, 1)]) for s in other)
+        # A stopped watch wakes itself with its next key; its successor on the node skips that key
+        # and still wakes for the real change with the same number.
+        watches[1].stop()
+        successor = NodeWatch(address, 0, 1, range(2, 4)).start()
+        watches[1] = successor
+        time.sleep(0.3)
+        assert successor.seen == 2 and successor._thread.is_alive()
+        h.coordinator.rank_exited(RankExit(0, 0, -9, time.time()))
+        assert _wait(lambda: successor.seen == 3), "the real third change still wakes the successor"
+        assert proto.read_pending(proto.connect(successor.address, 0))[-1].kind == proto.FAILED
+    finally:
+        for watch in watches:
+            watch.stop()
+        h.stop()
 
 
 def test_the_link_renews_its_lease_with_its_ranks_beats_and_carries_out_its_nodes_kill_orders_only(tmp_path):
@@ -547,14 +606,7 @@ class _Survivors:
     recovering from slot 3's failure in a thread of its own."""
 
     def __init__(self, h: Harness) -> None:
-        from ds_recycle.runtime.membership import MembershipAgent
-
-        self.agents = {}
-        for slot in (0, 1, 2):
-            agent = MembershipAgent(f"127.0.0.1:{h.server.port}", slot, TOKEN, 0, 0)
-            agent.store = agent.connect()
-            agent.current = proto.read_membership(agent.store)
-            self.agents[slot] = agent
+        self.agents = {slot: h.agent(slot) for slot in (0, 1, 2)}
         self.decisions: dict[int, object] = {}
         self.threads: list[threading.Thread] = []
 

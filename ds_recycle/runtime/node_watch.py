@@ -1,0 +1,117 @@
+"""A node's one watch of the job's changes, served to its ranks over loopback.
+
+When the coordinator appends changes it wakes one key per node (``node_alert/<node>/<k>``), not one
+per rank. The node's agent blocks on its node's next key and copies what its ranks' failure watchers
+read into a store of its own on 127.0.0.1 (``DS_RECYCLE_NODE_STORE``), under the same keys: the new
+``change/<seq>``, the latest epoch's record with the boundary decision that made it and
+``current_epoch``, then ``alert``, then each of its slots' ``alert/<slot>/<k>``. A rank's watcher
+(:class:`~ds_recycle.runtime.waiting.FailureWatcher`) and a survivor's wait for the failure to be
+published (:meth:`~ds_recycle.runtime.membership.MembershipAgent.recover`) block there. So a change
+costs the job's store a few operations per node instead of per rank.
+
+The copy is a prefix of the job's changes, read after they were published: changes are written
+once and appended only, and an epoch's record and its decision are written before
+``current_epoch`` names it. A rank that reads the node's store reads what it would have read from
+the job's a moment earlier. Every decision is still taken on the job's store.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+
+from ds_recycle.runtime import protocol as proto
+from ds_recycle.runtime.protocol import Membership
+
+WATCH_TIMEOUT_SECONDS = 600.0
+"""The longest single wait for the node's next alert key (a stopping watch wakes itself)."""
+
+
+class NodeWatch:
+    """Hosts the node's store and keeps its copy of the job's changes (see the module doc)."""
+
+    def __init__(
+        self, job_address: str, generation: int, node: int, slots: range, log: Callable[[str], None] | None = None
+    ) -> None:
+        import torch.distributed as dist
+
+        self.node, self.slots, self.generation = node, slots, generation
+        self._log = log or (lambda line: None)
+        self._server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.address = f"127.0.0.1:{self._server.port}"
+        self._job = proto.connect(job_address, generation)
+        self._waker = proto.connect(job_address, generation)
+        self._local: proto.Store | None = None
+        self.seen = 0
+        """How many changes the node's store holds."""
+        self._epoch = -1
+        """The latest epoch copied."""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> NodeWatch:
+        """Copy the changes and the epoch so far (before the node's ranks start), then watch."""
+        self._local = proto.connect(self.address, self.generation)
+        self._copy(int(self._job.add(proto.ALERT, 0)))
+        self._thread = threading.Thread(target=self._run, name=f"recycle-node-watch-{self.node}", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        from torch.distributed import DistStoreError
+
+        while not self._stop.is_set():
+            key = proto.node_alert_key(self.node, self.seen + 1)
+            try:
+                self._job.wait([key], timedelta(seconds=WATCH_TIMEOUT_SECONDS))
+                if self._stop.is_set():
+                    return
+                count = proto.alert_count_after(self._job, key, self.seen)
+                if count > self.seen:
+                    self._copy(count)
+            except DistStoreError:  # the wait timed out: nothing changed meanwhile
+                continue
+            except Exception as error:
+                self._lost(error)
+                return
+
+    def _copy(self, count: int) -> None:
+        """Copy changes ``seen`` .. ``count - 1`` and the latest epoch, then wake the node's ranks."""
+        keys = [proto.change_key(seq) for seq in range(self.seen, count)]
+        values = list(self._job.multi_get(keys)) if keys else []
+        epoch = int(self._job.get(proto.CURRENT_EPOCH))
+        if epoch > self._epoch:
+            record = self._job.get(proto.epoch_key(epoch))
+            keys.append(proto.epoch_key(epoch))
+            values.append(record)
+            if epoch > 0:
+                made_by = proto.decision_key(epoch - 1, Membership.from_json(record).iteration)
+                if self._job.check([made_by]):
+                    keys.append(made_by)
+                    values.append(self._job.get(made_by))
+            keys.append(proto.CURRENT_EPOCH)
+            values.append(str(epoch))
+            self._epoch = epoch
+        if not keys:
+            return
+        added = count - self.seen
+        proto.publish_changes(self._local, keys, values, added, lambda k: [proto.alert_key(s, k) for s in self.slots])
+        self.seen = count
+
+    def _lost(self, error: Exception) -> None:
+        """The job's store cannot be reached (the job ended, or this node is cut off and its lease
+        lapses): the node's store goes too, so that every watcher on it wakes and stops its rank."""
+        self._log(f"node {self.node} lost the job's store ({type(error).__name__}: {error}); closing its node store")
+        self._server = None
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stop watching (the watch wakes itself) and close the node's store."""
+        self._stop.set()
+        try:
+            self._waker.set(proto.node_alert_key(self.node, self.seen + 1), "stop")
+        except Exception:  # the job's store is gone already
+            pass
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        self._server = None
