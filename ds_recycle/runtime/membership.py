@@ -235,46 +235,58 @@ class MembershipAgent:
         self._wait_for_failure(set(running) | self._concerned(self.current, self.current, self.store), detect_timeout)
         posted = self._post_progress(epoch, progress)
         key = proto.recovery_key(epoch)
-        looked_at = None
+        looked_at, pending = None, self._read_pending()
         while True:
-            # After this survivor's post: a change published before it is seen here, and a later
-            # one moves ``alert`` on, which the next look (after a slice of the wait) sees.
-            pending = self._read_pending()
+            # After this survivor's post: a change published before it is seen here, on the job's
+            # store, and a later one moves ``alert`` on, which a later look sees (on the node's
+            # store, where it is copied; a copy that lags shows fewer).
             if len(pending) != looked_at:
                 looked_at = len(pending)
-                self._propose_recovery(epoch, pending, posted)
+                decision = self._propose_recovery(epoch, pending, posted)
                 posted = None
-            if _wait_for_key(self.store, key, RECOVERY_SLICE_SECONDS):
+                if decision is not None:
+                    break
+            # The node's agent copies the decision of the epoch it saw the failure in...
+            if _wait_for_key(self.node_store, key, RECOVERY_SLICE_SECONDS):
+                decision = Decision.from_json(self.node_store.get(key))
                 break
-            # A newer epoch: made by this recovery's decision (its key is set before the epoch is
-            # published), or by a boundary this survivor did not see.
+            # ...but it may be made in a later one, or its copy may come late.
+            if self.store.check([key]):
+                decision = Decision.from_json(self.store.get(key))
+                break
+            # A newer epoch without this recovery's decision: made by a boundary this survivor did
+            # not see (the decision's key is set before the epoch it makes is published).
             if int(self.store.get(proto.CURRENT_EPOCH)) > epoch and not self.store.check([key]):
                 logger.info(f"ReCycle: slot {self.slot}: epoch {epoch} was superseded in its recovery; recovering anew")
                 return None
+            looked = self._read_pending(self.node_store)
+            pending = looked if len(looked) > len(pending) else pending
             if time.monotonic() > deadline:
                 survivors = self._survivors(tuple(self._read_pending()[self.applied :]))
                 posted = [proto.progress_key(epoch, s) for s in survivors]
                 missing = [s for s, k in zip(survivors, posted, strict=True) if not self.store.check([k])]
                 raise MembershipError(f"survivors {missing} did not report their progress within {timeout:.0f} s")
-        return self._take(Decision.from_json(self.store.get(key)), at_boundary=False)
+        return self._take(decision, at_boundary=False)
 
-    def _propose_recovery(self, epoch: int, pending: list[Change], count: int | None = None) -> None:
+    def _propose_recovery(self, epoch: int, pending: list[Change], count: int | None = None) -> Decision | None:
         """Fix epoch ``epoch``'s recovery decision if every survivor (as ``pending``, the changes
-        so far, says) has posted its progress; else leave it to the survivor that completes the
-        count. ``count``: the posts counted so far, when this survivor's own post just read it."""
+        so far, says) has posted its progress, and return it (or the one fixed first); else leave
+        it to the survivor that completes the count. ``count``: the posts counted so far, when
+        this survivor's own post just read it."""
         changes = tuple(pending[self.applied :])
         survivors = self._survivors(changes)
         posted = [proto.progress_key(epoch, s) for s in survivors]
         if count is None:
             count = int(self.store.add(proto.progress_count_key(epoch), 0))
         if count < len(survivors) or not self.store.check(posted):
-            return
+            return None
         done = min(Progress.from_json(value).done for value in self.store.multi_get(posted))
         nxt = self._next(changes, done) or Membership(epoch + 1, self.current.members, done)
         proposal = Decision(epoch, done, len(pending), changes, nxt)
-        value = self.store.compare_set(proto.recovery_key(epoch), "", proposal.to_json())
-        if Decision.from_json(value) == proposal:
+        decision = Decision.from_json(self.store.compare_set(proto.recovery_key(epoch), "", proposal.to_json()))
+        if decision == proposal:
             self._publish(nxt)  # after the key: a survivor that sees the epoch moved sees the key set
+        return decision
 
     def _post_progress(self, epoch: int, progress: Progress) -> int | None:
         """Post this survivor's progress in ``epoch``, and count it once; returns the count after

@@ -9,6 +9,12 @@ read into a store of its own on 127.0.0.1 (``DS_RECYCLE_NODE_STORE``), under the
 published (:meth:`~ds_recycle.runtime.membership.MembershipAgent.recover`) block there. So a change
 costs the job's store a few operations per node instead of per rank.
 
+After a failure the survivors fix one recovery decision (``recovery/<n>``) on the job's store. When
+the agent copies a failure it also waits, in a thread of its own, for the recovery decision of the
+epoch it copied with it, and copies that too: the node's survivors wait for it on the node's store,
+and look at the job's only when a slice of their wait passes without it (the decision may be made in
+a later epoch).
+
 The copy is a prefix of the job's changes, read after they were published: changes are written
 once and appended only, and an epoch's record and its decision are written before
 ``current_epoch`` names it. A rank that reads the node's store reads what it would have read from
@@ -26,6 +32,10 @@ from ds_recycle.runtime.protocol import Membership
 
 WATCH_TIMEOUT_SECONDS = 600.0
 """The longest single wait for the node's next alert key (a stopping watch wakes itself)."""
+DECISION_SLICE_SECONDS = 1.0
+"""The wait for a recovery decision looks this often whether a later failure moved its target..."""
+DECISION_SLICES = 30
+"""...and gives up after this many slices (a failure that stopped nobody: a joiner's, say)."""
 
 
 class NodeWatch:
@@ -47,8 +57,14 @@ class NodeWatch:
         """How many changes the node's store holds."""
         self._epoch = -1
         """The latest epoch copied."""
+        self._decisions = proto.connect(job_address, generation)
+        self._awaited: tuple[int, int] | None = None
+        """The epoch whose recovery decision is awaited (copied with the latest failure), and the
+        changes copied with it."""
+        self._awaited_changed = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._decision_thread: threading.Thread | None = None
 
     def start(self) -> NodeWatch:
         """Copy the changes and the epoch so far (before the node's ranks start), then watch."""
@@ -56,6 +72,9 @@ class NodeWatch:
         self._copy(int(self._job.add(proto.ALERT, 0)))
         self._thread = threading.Thread(target=self._run, name=f"recycle-node-watch-{self.node}", daemon=True)
         self._thread.start()
+        name = f"recycle-node-decisions-{self.node}"
+        self._decision_thread = threading.Thread(target=self._copy_decisions, name=name, daemon=True)
+        self._decision_thread.start()
         return self
 
     def _run(self) -> None:
@@ -80,6 +99,7 @@ class NodeWatch:
         """Copy changes ``seen`` .. ``count - 1`` and the latest epoch, then wake the node's ranks."""
         keys = [proto.change_key(seq) for seq in range(self.seen, count)]
         values = list(self._job.multi_get(keys)) if keys else []
+        failure = any(proto.Change.from_json(value).kind == proto.FAILED for value in values)
         epoch = int(self._job.get(proto.CURRENT_EPOCH))
         if epoch > self._epoch:
             record = self._job.get(proto.epoch_key(epoch))
@@ -96,8 +116,45 @@ class NodeWatch:
         if not keys:
             return
         added = count - self.seen
+        if failure:
+            with self._awaited_changed:
+                self._awaited = (epoch, count)
+                self._awaited_changed.notify()
         proto.publish_changes(self._local, keys, values, added, lambda k: [proto.alert_key(s, k) for s in self.slots])
         self.seen = count
+
+    def _copy_decisions(self) -> None:
+        """Wait for the recovery decision of the epoch awaited, copy it into the node's store."""
+        local = proto.connect(self.address, self.generation)
+        done = None
+        while not self._stop.is_set():
+            with self._awaited_changed:
+                while self._awaited in (None, done) and not self._stop.is_set():
+                    self._awaited_changed.wait(DECISION_SLICE_SECONDS)
+                awaited = self._awaited
+            if self._stop.is_set():
+                return
+            try:
+                self._await_decision(awaited, local)
+            except Exception:  # a store is gone: the watch's own thread closes the node's store
+                return
+            done = awaited
+
+    def _await_decision(self, awaited: tuple[int, int], local: proto.Store) -> None:
+        """Copy epoch ``awaited[0]``'s recovery decision once it is made; give up when a later
+        failure is awaited instead, or after DECISION_SLICES slices."""
+        from torch.distributed import DistStoreError
+
+        key = proto.recovery_key(awaited[0])
+        for _ in range(DECISION_SLICES):
+            if self._stop.is_set() or self._awaited != awaited:
+                return
+            try:
+                self._decisions.wait([key], timedelta(seconds=DECISION_SLICE_SECONDS))
+            except DistStoreError:
+                continue
+            local.set(key, self._decisions.get(key))
+            return
 
     def _lost(self, error: Exception) -> None:
         """The job's store cannot be reached (the job ended, or this node is cut off and its lease
@@ -108,10 +165,13 @@ class NodeWatch:
     def stop(self, timeout: float = 2.0) -> None:
         """Stop watching (the watch wakes itself) and close the node's store."""
         self._stop.set()
+        with self._awaited_changed:
+            self._awaited_changed.notify()
         try:
             self._waker.set(proto.node_alert_key(self.node, self.seen + 1), "stop")
         except Exception:  # the job's store is gone already
             pass
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+        for thread in (self._thread, self._decision_thread):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout)
         self._server = None

@@ -504,7 +504,8 @@ def test_a_watcher_key_left_by_a_stopped_process_neither_raises_nor_spins_in_its
 def test_each_node_copies_the_changes_and_the_latest_epoch_once_and_wakes_its_own_slots_only():
     """Two nodes of two slots. The coordinator wakes one key per node, not per slot; each node's
     watch copies the changes, the epoch a boundary decided (with the decision, for its leavers) and
-    ``current_epoch`` into the node's store, then sets its own slots' alert keys there."""
+    ``current_epoch`` into the node's store, then sets its own slots' alert keys there; after a
+    failure, the recovery decision of the epoch too."""
     h = Harness(HeartbeatPolicy(enabled=False), NodeLayout(2, 2, 60.0))
     address = f"127.0.0.1:{h.server.port}"
     watches = [NodeWatch(address, 0, node, range(2 * node, 2 * node + 2)).start() for node in (0, 1)]
@@ -535,7 +536,13 @@ def test_each_node_copies_the_changes_and_the_latest_epoch_once_and_wakes_its_ow
         assert successor.seen == 2 and successor._thread.is_alive()
         h.coordinator.rank_exited(RankExit(0, 0, -9, time.time()))
         assert _wait(lambda: successor.seen == 3), "the real third change still wakes the successor"
-        assert proto.read_pending(proto.connect(successor.address, 0))[-1].kind == proto.FAILED
+        node_store = proto.connect(successor.address, 0)
+        assert proto.read_pending(node_store)[-1].kind == proto.FAILED
+        # With a failure the watch also awaits the recovery decision of the epoch it copied.
+        decision = proto.Decision(1, 0, 3, tuple(h.pending()[2:]), Membership(2, (1, 2), 0))
+        h.store.set(proto.recovery_key(1), decision.to_json())
+        assert _wait(lambda: node_store.check([proto.recovery_key(1)])), "the recovery decision is copied"
+        assert proto.Decision.from_json(node_store.get(proto.recovery_key(1))) == decision
     finally:
         for watch in watches:
             watch.stop()
