@@ -235,11 +235,11 @@ class MembershipAgent:
         self._wait_for_failure(set(running) | self._concerned(self.current, self.current, self.store), detect_timeout)
         posted = self._post_progress(epoch, progress)
         key = proto.recovery_key(epoch)
-        looked_at, pending = None, self._read_pending()
+        looked_at, pending = None, self._read_pending(self.node_store)
         while True:
-            # After this survivor's post: a change published before it is seen here, on the job's
-            # store, and a later one moves ``alert`` on, which a later look sees (on the node's
-            # store, where it is copied; a copy that lags shows fewer).
+            # Looks at the changes after this survivor's post, on the node's store: a failure the
+            # copy has not reached yet leaves the dead among the survivors (a stricter count: no
+            # decision without it, or the decision's epoch fails on entry), and is seen a slice later.
             if len(pending) != looked_at:
                 looked_at = len(pending)
                 decision = self._propose_recovery(epoch, pending, posted)
@@ -260,7 +260,7 @@ class MembershipAgent:
                 logger.info(f"ReCycle: slot {self.slot}: epoch {epoch} was superseded in its recovery; recovering anew")
                 return None
             looked = self._read_pending(self.node_store)
-            pending = looked if len(looked) > len(pending) else pending
+            pending = looked if len(looked) > len(pending) else pending  # a copy that lags shows fewer
             if time.monotonic() > deadline:
                 survivors = self._survivors(tuple(self._read_pending()[self.applied :]))
                 posted = [proto.progress_key(epoch, s) for s in survivors]
