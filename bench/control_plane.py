@@ -152,6 +152,8 @@ def run(ranks: int, workers: int, window: float, iteration: float, lease: float)
     finally:
         for change in [c for c in harness.coordinator.pending() if c.kind == "failed"][:3]:
             print(f"#   {ranks} ranks: failed slot {change.slot}: {change.detail}", flush=True)
+        for error in harness.errors[:3]:
+            print(f"#   {ranks} ranks: {len(harness.errors)} errors in emulated threads, e.g. {error[1]}: {error[5]}")
         harness.close()
     return row
 

@@ -414,6 +414,8 @@ class Harness:
     workers: int
     host: str = "127.0.0.1"
     log: list[str] = field(default_factory=list)
+    errors: list[tuple] = field(default_factory=list)
+    """The emulated threads' uncaught exceptions, from every report so far."""
 
     def __post_init__(self) -> None:
         ctx = spawn_context()  # not fork: this process runs the coordinator's threads
@@ -491,6 +493,7 @@ class Harness:
         for event in self.wait_for("report", self.workers, timeout=120.0):
             nodes.update(event[2])
             records.extend(event[5])
+        self.errors.extend(r for r in records if r[0] == "error")
         return collections.Counter(COUNTS), nodes, records
 
     def command(self, node: int, command: str, argument: int) -> None:

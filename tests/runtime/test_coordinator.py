@@ -11,6 +11,8 @@ kind of store: its lease, the kill orders for its node, and its fence.
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -547,6 +549,32 @@ def test_each_node_copies_the_changes_and_the_latest_epoch_once_and_wakes_its_ow
         for watch in watches:
             watch.stop()
         h.stop()
+
+
+def test_a_node_whose_watch_lost_the_jobs_store_wakes_its_ranks_watchers():
+    """The job's store is a process of its own, killed from outside: the node's watch closes the
+    node's store, and a watcher blocked on it raises its flag (its rank stops and finds out)."""
+    from ds_recycle.runtime.waiting import FailureWatcher
+
+    serve = "import sys, time, torch.distributed as d; s = d.TCPStore('127.0.0.1', 0, is_master=True, "
+    serve += "wait_for_workers=False); print(s.port, flush=True); time.sleep(120)"
+    server = subprocess.Popen([sys.executable, "-c", serve], stdout=subprocess.PIPE, text=True)
+    try:
+        address = f"127.0.0.1:{int(server.stdout.readline())}"
+        job = proto.connect(address, 0)
+        job.set(proto.CURRENT_EPOCH, "0")
+        job.set(proto.epoch_key(0), Membership(0, (0, 1), 0).to_json())
+        lines: list[str] = []
+        watch = NodeWatch(address, 0, 0, range(2), lines.append).start()
+        watcher = FailureWatcher(proto.connect(watch.address, 0), 0, proto.connect(watch.address, 0)).start()
+        time.sleep(0.3)
+        assert not watcher.flag.is_set()
+        server.kill()
+        assert _wait(watcher.flag.is_set, 10.0), "the watcher must not stay blocked on a node store without a job"
+        assert any("lost the job's store" in line for line in lines), lines
+    finally:
+        server.kill()
+        server.wait(timeout=10)
 
 
 def test_the_link_renews_its_lease_with_its_ranks_beats_and_carries_out_its_nodes_kill_orders_only(tmp_path):
