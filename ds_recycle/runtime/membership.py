@@ -219,18 +219,29 @@ class MembershipAgent:
         members that reached the boundary first took it, and they recover in the new epoch. A
         survivor that looked before that epoch was published waits in the old one, whose decision
         can then never be made (those members will not post there): when a slice of its wait
-        passes, it looks whether a newer epoch exists, and recovers in that one."""
+        passes, it looks whether a newer epoch exists, and recovers in that one. The first look at
+        the latest epoch is at the node's copy (made after the failure that stopped this survivor
+        was published); a look after a superseded epoch is at the job's store."""
         deadline = time.monotonic() + timeout
+        latest_from = self.node_store
         while True:
-            decision = self._recover_in_latest(progress, running, detect_timeout, deadline, timeout)
+            decision = self._recover_in_latest(progress, running, detect_timeout, deadline, timeout, latest_from)
             if decision is not None:
                 return decision
+            latest_from = self.store
 
     def _recover_in_latest(
-        self, progress: Progress, running: tuple[int, ...], detect_timeout: float, deadline: float, timeout: float
+        self,
+        progress: Progress,
+        running: tuple[int, ...],
+        detect_timeout: float,
+        deadline: float,
+        timeout: float,
+        latest_from: Store,
     ) -> Decision | None:
-        """:meth:`recover` in the latest epoch decided; None if a newer one was decided meanwhile."""
-        self.refresh()
+        """:meth:`recover` in the latest epoch decided (as ``latest_from`` says); None if a newer
+        one was decided meanwhile."""
+        self.refresh(latest_from)
         epoch = self.current.epoch
         self._wait_for_failure(set(running) | self._concerned(self.current, self.current, self.store), detect_timeout)
         posted = self._post_progress(epoch, progress)
@@ -397,26 +408,32 @@ class MembershipAgent:
         gone = {c.slot for c in changes if c.kind in proto.OUT_KINDS}
         return [s for s in self.current.members if s not in gone]
 
-    def enter(self, membership: Membership, failure_announced: Callable[[], bool], timeout: float) -> None:
+    def enter(
+        self, membership: Membership, failure_announced: Callable[[], bool], timeout: float, copied: bool = False
+    ) -> None:
         """Wait until every member of ``membership`` is ready to build its world: each counts itself
         (``ready/<n>``), the one whose count completes the members sets ``entered/<n>``, and the
-        others block on it. Raises EpochSuperseded if a newer epoch was decided meanwhile, and
-        MemberFailed if a failure was announced (``failure_announced()``) or one of the members
-        failed."""
+        others block on it: on the node's store when its agent copies the key there (``copied``:
+        an epoch a recovery decision made), backed by a look at the job's store at every check.
+        Raises EpochSuperseded if a newer epoch was decided meanwhile, and MemberFailed if a failure
+        was announced (``failure_announced()``) or one of the members failed."""
         epoch = membership.epoch
         self._records[epoch] = membership
+        key = proto.entered_key(epoch)
         if int(self.store.add(proto.ready_key(epoch), 1)) >= len(membership.members):
             self._publish(membership)  # in case its decider died before it did (a leaver at a boundary)
-            self.store.set(proto.entered_key(epoch), "1")
+            self.store.set(key, "1")
             return
         deadline = time.monotonic() + timeout
         slices = 0
-        while not _wait_for_key(self.store, proto.entered_key(epoch), ENTER_SLICE_SECONDS):
+        while not _wait_for_key(self.node_store if copied else self.store, key, ENTER_SLICE_SECONDS):
             if failure_announced():
                 raise MemberFailed(f"a failure was announced while entering epoch {epoch}")
             slices += 1
             if slices % ENTER_CHECK_SLICES:
                 continue
+            if copied and self.store.check([key]):  # the copy is late, or its agent awaited another
+                return
             # A member (a joiner) may have died after the failure watcher judged its failure to
             # concern nobody, before the decision that admitted it was published.
             if self.failure_among(set(membership.members)):
@@ -453,14 +470,18 @@ class MembershipAgent:
             self.store.compare_set(proto.epoch_key(epoch), "", record.to_json())
             self.store.compare_set(proto.CURRENT_EPOCH, str(epoch - 1), str(epoch))
 
-    def refresh(self) -> Membership:
-        """The latest epoch decided by anyone (a slower member may not have seen it yet). One this
-        agent took that is still unpublished (its decider died between its decision and the
-        publication) is published here: a survivor that did not take it would otherwise recover in
-        the epoch before it, apart from those that did."""
-        epoch = int(self.store.get(proto.CURRENT_EPOCH))
+    def refresh(self, store: Store | None = None) -> Membership:
+        """The latest epoch decided by anyone (a slower member may not have seen it yet), as
+        ``store`` says (the job's, or the node's copy). One this agent took that is still
+        unpublished on the job's store (its decider died between its decision and the publication)
+        is published here: a survivor that did not take it would otherwise recover in the epoch
+        before it, apart from those that did."""
+        store = store or self.store
+        epoch = int(store.get(proto.CURRENT_EPOCH))
+        if epoch < self.current.epoch and store is not self.store:  # a copy older than this agent
+            store, epoch = self.store, int(self.store.get(proto.CURRENT_EPOCH))
         if epoch > self.current.epoch:
-            self._take(*self._creating(proto.read_membership(self.store, epoch)))
+            self._take(*self._creating(proto.read_membership(store, epoch)))
         elif epoch < self.current.epoch:
             self._publish(self.current, epoch)
         return self.current

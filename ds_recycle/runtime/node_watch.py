@@ -9,11 +9,12 @@ read into a store of its own on 127.0.0.1 (``DS_RECYCLE_NODE_STORE``), under the
 published (:meth:`~ds_recycle.runtime.membership.MembershipAgent.recover`) block there. So a change
 costs the job's store a few operations per node instead of per rank.
 
-After a failure the survivors fix one recovery decision (``recovery/<n>``) on the job's store. When
-the agent copies a failure it also waits, in a thread of its own, for the recovery decision of the
-epoch it copied with it, and copies that too: the node's survivors wait for it on the node's store,
-and look at the job's only when a slice of their wait passes without it (the decision may be made in
-a later epoch).
+After a failure the survivors fix one recovery decision (``recovery/<n>``) on the job's store, then
+enter the epoch it makes (``entered/<n+1>``, set once every member counted itself in). When the
+agent copies a failure it also waits, in a thread of its own, for the recovery decision of the
+epoch it copied with it, then for the entry into the epoch that decision makes, and copies each:
+the node's survivors wait for them on the node's store, and look at the job's only when a slice of
+their wait passes without them (the decision may be made in a later epoch).
 
 The copy is a prefix of the job's changes, read after they were published: changes are written
 once and appended only, and an epoch's record and its decision are written before
@@ -28,7 +29,7 @@ from collections.abc import Callable
 from datetime import timedelta
 
 from ds_recycle.runtime import protocol as proto
-from ds_recycle.runtime.protocol import Membership
+from ds_recycle.runtime.protocol import Decision, Membership
 
 WATCH_TIMEOUT_SECONDS = 600.0
 """The longest single wait for the node's next alert key (a stopping watch wakes itself)."""
@@ -124,7 +125,8 @@ class NodeWatch:
         self.seen = count
 
     def _copy_decisions(self) -> None:
-        """Wait for the recovery decision of the epoch awaited, copy it into the node's store."""
+        """For the failure awaited: copy its epoch's recovery decision, then the entry into the
+        epoch that decision makes, into the node's store."""
         local = proto.connect(self.address, self.generation)
         done = None
         while not self._stop.is_set():
@@ -135,26 +137,29 @@ class NodeWatch:
             if self._stop.is_set():
                 return
             try:
-                self._await_decision(awaited, local)
+                decision = self._copy_when_set(proto.recovery_key(awaited[0]), awaited, local)
+                if decision is not None:
+                    self._copy_when_set(proto.entered_key(Decision.from_json(decision).next.epoch), awaited, local)
             except Exception:  # a store is gone: the watch's own thread closes the node's store
                 return
             done = awaited
 
-    def _await_decision(self, awaited: tuple[int, int], local: proto.Store) -> None:
-        """Copy epoch ``awaited[0]``'s recovery decision once it is made; give up when a later
-        failure is awaited instead, or after DECISION_SLICES slices."""
+    def _copy_when_set(self, key: str, awaited: tuple[int, int], local: proto.Store) -> bytes | None:
+        """Copy ``key`` (written once) from the job's store once it is set, and return its value;
+        None when a later failure is awaited instead, or after DECISION_SLICES slices."""
         from torch.distributed import DistStoreError
 
-        key = proto.recovery_key(awaited[0])
         for _ in range(DECISION_SLICES):
             if self._stop.is_set() or self._awaited != awaited:
-                return
+                return None
             try:
                 self._decisions.wait([key], timedelta(seconds=DECISION_SLICE_SECONDS))
             except DistStoreError:
                 continue
-            local.set(key, self._decisions.get(key))
-            return
+            value = self._decisions.get(key)
+            local.set(key, value)
+            return value
+        return None
 
     def _lost(self, error: Exception) -> None:
         """The job's store cannot be reached (the job ended, or this node is cut off and its lease

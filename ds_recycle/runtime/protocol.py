@@ -138,6 +138,13 @@ STORE_TIMEOUT_SECONDS = 120.0
 """Bound on a blocking store operation of a trainer (the launcher's store is its own host or a
 neighbour; a healthy operation takes microseconds)."""
 
+CONNECT_TIMEOUT_SECONDS = 30.0
+"""Bound on a client's connect, apart from the bound on its operations: c10d looks up the name of
+the server's address at every connect (to describe its socket), and where the resolver drops a
+burst of queries each lookup takes 5 s. A node's link, whose operations are bounded by the lease,
+could not connect then (seen in bench/multinode.py, once each node's agent also opened its node
+store's clients at the same time)."""
+
 QUIET_STORE_ENV = {"TORCH_CPP_LOG_LEVEL": "ERROR"}
 """The environment of every process that makes bounded store waits, from its start (c10d reads it
 when torch loads). With c10d's warnings on, each ``wait`` that times out formats its socket for a
@@ -278,7 +285,10 @@ def connect(address: str, generation: int | None, timeout: float = STORE_TIMEOUT
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"{ENV_STORE}={address!r} must be host:port")
-    base = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+    bound = timedelta(seconds=max(timeout, CONNECT_TIMEOUT_SECONDS))
+    base = dist.TCPStore(host, int(port), is_master=False, timeout=bound, wait_for_workers=False)
+    if timeout < CONNECT_TIMEOUT_SECONDS:
+        base.set_timeout(timedelta(seconds=timeout))
     return base if generation is None else dist.PrefixStore(prefix(generation), base)
 
 

@@ -308,13 +308,14 @@ class RankRuntime:
         logger.info(f"ReCycle: slot {self.engine.slot} proposes to {proposal.describe()}")
         self.agent.request(proto.MOVE, slot=proposal.mover, target=proposal.target)
 
-    def _enter_epoch(self, decision: Decision) -> None:
-        """Enter the epoch ``decision`` makes: every member counted in, then its world, its grid,
-        and the joiners' state from the decision's holders."""
+    def _enter_epoch(self, decision: Decision, by_recovery: bool = False) -> None:
+        """Enter the epoch ``decision`` makes (``by_recovery``: the survivors' decision, which the
+        node's agent copies with the key every member waits for): every member counted in, then
+        its world, its grid, and the joiners' state from the decision's holders."""
         membership = decision.next
         self._enter_phase(Phase.ENTERING)
         announced = (lambda: False) if self.watcher is None else self.watcher.flag.is_set
-        self.agent.enter(membership, announced, GROUP_TIMEOUT_SECONDS)
+        self.agent.enter(membership, announced, GROUP_TIMEOUT_SECONDS, copied=by_recovery)
         self._enter_phase(Phase.BUILDING)
         rebuild_world(self.agent.store, membership, self.engine.slot, GROUP_TIMEOUT_SECONDS)
         grid = RecycleGrid.build(self.engine.module._topo, membership, self.engine.slot, GROUP_TIMEOUT_SECONDS)
@@ -363,7 +364,7 @@ class RankRuntime:
                 self._leave()
             self._check_survivable(decision.next)
             try:
-                self._enter_epoch(decision)
+                self._enter_epoch(decision, by_recovery=True)
                 engine.resync_tied_weights()
             except (PeerFailure, EpochSuperseded) as again:
                 self._enter_phase(Phase.RECOVERING)

@@ -212,7 +212,7 @@ class EmulatedRank:
         self.records.append(("recovered", agent.slot, epoch, raised_at, held, read, made, watched))
         if agent.slot not in decision.next.members:
             return -1
-        agent.enter(decision.next, watcher.flag.is_set, 60.0)
+        agent.enter(decision.next, watcher.flag.is_set, 60.0, copied=True)
         self.records.append(("entered", agent.slot, epoch, 0.0, time.time(), 0))
         return decision.iteration
 

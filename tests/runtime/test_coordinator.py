@@ -507,7 +507,7 @@ def test_each_node_copies_the_changes_and_the_latest_epoch_once_and_wakes_its_ow
     """Two nodes of two slots. The coordinator wakes one key per node, not per slot; each node's
     watch copies the changes, the epoch a boundary decided (with the decision, for its leavers) and
     ``current_epoch`` into the node's store, then sets its own slots' alert keys there; after a
-    failure, the recovery decision of the epoch too."""
+    failure, the recovery decision of the epoch and the entry into the epoch it makes too."""
     h = Harness(HeartbeatPolicy(enabled=False), NodeLayout(2, 2, 60.0))
     address = f"127.0.0.1:{h.server.port}"
     watches = [NodeWatch(address, 0, node, range(2 * node, 2 * node + 2)).start() for node in (0, 1)]
@@ -545,6 +545,8 @@ def test_each_node_copies_the_changes_and_the_latest_epoch_once_and_wakes_its_ow
         h.store.set(proto.recovery_key(1), decision.to_json())
         assert _wait(lambda: node_store.check([proto.recovery_key(1)])), "the recovery decision is copied"
         assert proto.Decision.from_json(node_store.get(proto.recovery_key(1))) == decision
+        h.store.set(proto.entered_key(2), "1")  # then the entry into the epoch it makes
+        assert _wait(lambda: node_store.check([proto.entered_key(2)])), "the entry is copied"
     finally:
         for watch in watches:
             watch.stop()
