@@ -18,6 +18,7 @@ import threading
 import time
 from datetime import timedelta
 
+import psutil
 import pytest
 import torch.distributed as dist
 
@@ -513,6 +514,10 @@ def test_each_node_copies_the_changes_and_the_latest_epoch_once_and_wakes_its_ow
     watches = [NodeWatch(address, 0, node, range(2 * node, 2 * node + 2)).start() for node in (0, 1)]
     try:
         local = [proto.connect(w.address, 0) for w in watches]
+        listening = {(c.laddr.ip, c.laddr.port) for c in psutil.net_connections("tcp") if c.status == "LISTEN"}
+        for watch in watches:
+            port = int(watch.address.rpartition(":")[2])
+            assert {ip for ip, p in listening if p == port} == {"127.0.0.1"}, "a node's store is on loopback only"
         h.request(proto.LEAVE, 3)
         h.wait_for_line("accepted leave of slot 3")
         _decide_at_boundary(h, (0, 1, 2), 0)
