@@ -30,7 +30,6 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 from ds_recycle.runtime import protocol as proto
 from ds_recycle.runtime.coordinator import Coordinator, HeartbeatPolicy, NodeLayout
@@ -141,17 +140,13 @@ class CoordinatorHost:
     # ---- the store -------------------------------------------------------------------------------
 
     def listen(self) -> tuple[str, int]:
-        import torch.distributed as dist
-
         config = self.config
         # The entry point raised the soft limit to the hard one (raise_descriptor_limit): the hard one counts.
         _, limit = resource.getrlimit(resource.RLIMIT_NOFILE)
         shortfall = descriptor_shortfall(config, limit)
         if shortfall is not None:
             self._log(f"warning: {shortfall}")
-        self._server = dist.TCPStore(
-            config.host, config.port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
-        )
+        self._server = proto.serve(config.host, config.port, timeout=30.0)
         self._root = proto.connect(self.address, None, timeout=30.0)
         self._log(f"store listening on {config.host}:{self._server.port}")
         self._emit("store", host=config.host, port=self._server.port)

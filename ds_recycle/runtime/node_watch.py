@@ -24,7 +24,6 @@ the job's a moment earlier. Every decision is still taken on the job's store.
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -40,28 +39,15 @@ DECISION_SLICES = 30
 """...and gives up after this many slices (a failure that stopped nobody: a joiner's, say)."""
 
 
-def _loopback_listener() -> int:
-    """A listening socket on 127.0.0.1 only, handed to the node's store (a TCPStore binds every
-    interface by itself): only the node's own processes can reach it."""
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(socket.SOMAXCONN)
-    return listener.detach()
-
-
 class NodeWatch:
     """Hosts the node's store and keeps its copy of the job's changes (see the module doc)."""
 
     def __init__(
         self, job_address: str, generation: int, node: int, slots: range, log: Callable[[str], None] | None = None
     ) -> None:
-        import torch.distributed as dist
-
         self.node, self.slots, self.generation = node, slots, generation
         self._log = log or (lambda line: None)
-        self._server = dist.TCPStore(
-            "127.0.0.1", 0, is_master=True, wait_for_workers=False, master_listen_fd=_loopback_listener()
-        )
+        self._server = proto.serve("127.0.0.1", 0)
         self.address = f"127.0.0.1:{self._server.port}"
         self._job = proto.connect(job_address, generation)
         self._waker = proto.connect(job_address, generation)

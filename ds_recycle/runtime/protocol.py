@@ -276,6 +276,45 @@ GENERATION = "generation"
 """At the store's root (no generation prefix)."""
 
 
+def serve(host: str, port: int, timeout: float = STORE_TIMEOUT_SECONDS, use_libuv: bool = True) -> Store:
+    """A TCPStore server for clients that connect to ``host:port`` (port 0: any free one; its
+    ``port`` says which).
+
+    Where ``host`` is an IPv4 address the server gets a listening socket of that family: on
+    ``host`` alone if it is a loopback address (only this machine's processes reach it), else on
+    every IPv4 interface. Anything else (a name, an IPv6 address) keeps c10d's own socket, which
+    binds every interface. The server's one loop thread looks up the name of each peer it accepts
+    (``getnameinfo``) and serves no one meanwhile. On c10d's own dual-stack socket a local peer is
+    the v4-mapped ``::ffff:127.0.0.1``, which no hosts file names: every accept asks DNS, and a
+    resolver that dropped a burst of queries silenced a whole job's store for 5 s per query (seen
+    in bench/multinode.py under load). The hosts file answers for an IPv4 loopback peer.
+    """
+    import ipaddress
+    import socket
+
+    import torch.distributed as dist
+
+    bound = timedelta(seconds=timeout)
+    try:
+        address = ipaddress.IPv4Address(host)
+    except ValueError:
+        return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=bound, use_libuv=use_libuv)
+    interface = host if address.is_loopback else "0.0.0.0"
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((interface, port))
+        listener.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        listener.close()
+        raise OSError(exc.errno, f"cannot listen on {interface}:{port} for the store: {exc.strerror}") from None
+    port = listener.getsockname()[1]
+    fd = listener.detach()
+    return dist.TCPStore(
+        host, port, is_master=True, wait_for_workers=False, timeout=bound, use_libuv=use_libuv, master_listen_fd=fd
+    )
+
+
 def connect(address: str, generation: int | None, timeout: float = STORE_TIMEOUT_SECONDS) -> Store:
     """A new client of the job store at ``host:port``, under the generation's key prefix (None: the
     store's root). Each thread that may block in a store call needs a client of its own (a blocking

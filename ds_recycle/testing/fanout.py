@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from ds_recycle.runtime.protocol import serve
 from ds_recycle.testing import spawn_context
 
 TIMEOUT_SECONDS = 300.0
@@ -76,7 +77,7 @@ def measure_fan_out(nodes: int, processes: int = 8) -> FanOut:
     """One decision over ``nodes`` nodes (see the module doc), their clients in ``processes`` processes."""
     if nodes < 2 or processes < 1:
         raise ValueError(f"nodes must be at least 2 and processes at least 1, got {nodes} and {processes}")
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    server = serve("127.0.0.1", 0)
     ctx = spawn_context()
     results: mp.Queue = ctx.Queue()
     share = -(-nodes // processes)

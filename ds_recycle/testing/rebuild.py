@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from ds_recycle.runtime.protocol import Membership
+from ds_recycle.runtime.protocol import Membership, serve
 from ds_recycle.testing import spawn_context
 from ds_recycle.testing.scale import COUNTS, CountingStore
 
@@ -169,7 +169,7 @@ def measure_rebuild(pp: int, dp: int, connect: str = "all") -> RebuildCost:
     the pairs epoch 2's plan uses (what the runtime does) or every pair (see the module doc)."""
     if connect not in CONNECTS:
         raise ValueError(f"connect must be one of {CONNECTS}, got {connect!r}")
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    server = serve("127.0.0.1", 0)
     ctx = spawn_context()
     results: mp.Queue = ctx.Queue()
     victim = pp * dp - 1

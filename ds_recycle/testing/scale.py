@@ -323,13 +323,10 @@ def _worker(
 
 def _serve_store(host: str, ports: mp.Queue, use_libuv: bool = True) -> None:
     """The TCPStore server, in a process of its own (as on the coordinator's host)."""
-    import torch.distributed as dist
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    server = dist.TCPStore(
-        host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60), use_libuv=use_libuv
-    )
+    server = proto.serve(host, 0, timeout=60.0, use_libuv=use_libuv)
     ports.put(server.port)
     threading.Event().wait()
 
