@@ -59,10 +59,11 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         with _quiet_stderr():  # torch's store client logs every retry, with a C++ stack, to fd 2
-            root = proto.connect(address, None, timeout=args.timeout)
+            root = proto.connect(address, None, timeout=args.timeout, connect_timeout=args.timeout)
             generation = int(root.get(proto.GENERATION)) if root.check([proto.GENERATION]) else None
             if generation is not None:
-                job = status.read_status(proto.connect(address, generation, timeout=args.timeout), generation)
+                store = proto.connect(address, generation, timeout=args.timeout, connect_timeout=args.timeout)
+                job = status.read_status(store, generation)
     except (RuntimeError, OSError, ValueError) as exc:  # torch's DistNetworkError and DistStoreError included
         reason = shorten(" ".join(str(exc).split()), 160)
         return _fail(f"cannot read the job's store at {where} within {args.timeout:g} s ({reason})")

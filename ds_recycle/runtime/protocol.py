@@ -315,18 +315,25 @@ def serve(host: str, port: int, timeout: float = STORE_TIMEOUT_SECONDS, use_libu
     )
 
 
-def connect(address: str, generation: int | None, timeout: float = STORE_TIMEOUT_SECONDS) -> Store:
+def connect(
+    address: str, generation: int | None, timeout: float = STORE_TIMEOUT_SECONDS, connect_timeout: float | None = None
+) -> Store:
     """A new client of the job store at ``host:port``, under the generation's key prefix (None: the
-    store's root). Each thread that may block in a store call needs a client of its own (a blocking
-    call on a TCPStore client blocks every other thread using that client)."""
+    store's root), whose operations are bounded by ``timeout`` and its connect by ``connect_timeout``
+    (default: ``timeout``, at least CONNECT_TIMEOUT_SECONDS). Each thread that may block in a store
+    call needs a client of its own (a blocking call on a TCPStore client blocks every other thread
+    using that client)."""
     import torch.distributed as dist
 
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"{ENV_STORE}={address!r} must be host:port")
-    bound = timedelta(seconds=max(timeout, CONNECT_TIMEOUT_SECONDS))
-    base = dist.TCPStore(host, int(port), is_master=False, timeout=bound, wait_for_workers=False)
-    if timeout < CONNECT_TIMEOUT_SECONDS:
+    if connect_timeout is None:
+        connect_timeout = max(timeout, CONNECT_TIMEOUT_SECONDS)
+    base = dist.TCPStore(
+        host, int(port), is_master=False, timeout=timedelta(seconds=connect_timeout), wait_for_workers=False
+    )
+    if timeout != connect_timeout:
         base.set_timeout(timedelta(seconds=timeout))
     return base if generation is None else dist.PrefixStore(prefix(generation), base)
 
