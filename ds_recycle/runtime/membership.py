@@ -37,7 +37,11 @@ PROBE_AFTER_SECONDS = 0.1
 failure, and again every as long until one is published."""
 RECOVERY_SLICE_SECONDS = 0.25
 """A survivor blocks on the recovery decision this long at a time, then looks whether a change was
-published meanwhile (a survivor died: the remaining ones may all have posted)."""
+published meanwhile (a survivor died: the remaining ones may all have posted)..."""
+RECOVERY_CHECK_SLICES = 4
+"""...and every this many slices at the job's store (the decision may be made in a later epoch, or
+its copy come late): with thousands of survivors, a look per slice would load the store more than
+the decision does."""
 ENTER_SLICE_SECONDS = 0.1
 """A member entering an epoch blocks on ``entered/<n>`` this long at a time, then looks at its
 failure flag (no store operation)..."""
@@ -83,6 +87,9 @@ class MembershipAgent:
     there, and this rank's watcher waits on it (:mod:`ds_recycle.runtime.node_watch`)."""
     node_store: Store | None = None
     """The agent's client of the node's store."""
+    node_slots: tuple[int, ...] = ()
+    """The slots of this rank's node, whose ranks share its store: their recovery progress and
+    their entries into an epoch are counted there and reach the job's store once per node."""
     current: Membership | None = None
     applied: int = 0
     """How many entries of ``pending`` the decisions so far have taken."""
@@ -93,6 +100,8 @@ class MembershipAgent:
     """``pending`` as this rank's watcher read it last (:meth:`note_changes`)."""
     _posted_in: int | None = field(default=None, repr=False)
     """The epoch in which this process last posted its recovery progress."""
+    _forwarded_in: int | None = field(default=None, repr=False)
+    """The epoch in which this process last copied its node's posts to the job's store."""
     _records: dict[int, Membership] = field(default_factory=dict, repr=False)
     """Epoch records read so far (:meth:`_latest`)."""
     _leavers: dict[int, set[int]] = field(default_factory=dict, repr=False)
@@ -123,6 +132,13 @@ class MembershipAgent:
         )
         if not agent.node_address:
             raise MembershipError(f"{proto.ENV_NODE_STORE} is not set: start the ranks with ds-recycle launch")
+        try:
+            node, per_node = int(environ["GROUP_RANK"]), int(environ["LOCAL_WORLD_SIZE"])
+        except (KeyError, ValueError):
+            raise MembershipError(
+                "GROUP_RANK and LOCAL_WORLD_SIZE must be set to integers: start the ranks with ds-recycle launch"
+            ) from None
+        agent.node_slots = tuple(range(node * per_node, (node + 1) * per_node))
         try:
             agent.store = agent.connect()
             agent.node_store = agent.connect_node()
@@ -205,12 +221,14 @@ class MembershipAgent:
     def recover(self, progress: Progress, running: tuple[int, ...], detect_timeout: float, timeout: float) -> Decision:
         """The survivors' one decision after a failure in the current epoch.
 
-        Every survivor posts its progress and counts it (``progress_count/<n>``); the survivor whose
-        count completes the survivors fixes the decision with one ``compare_set``: the changes
-        pending so far, the next membership, and ``iteration`` = the iteration every survivor
-        restarts from (the least finished count). The others block on the decision's key: no
-        survivor polls. A survivor that dies meanwhile drops out: at every change published during
-        the wait each survivor looks again whether every remaining survivor has posted. A failure of
+        Every survivor posts its progress on its node's store and counts it there; the survivor whose
+        count completes its node's survivors copies their posts to the job's store and counts them
+        there (``progress_count/<n>``), and the one whose count completes every survivor fixes the
+        decision with one ``compare_set``: the changes pending so far, the next membership, and
+        ``iteration`` = the iteration every survivor restarts from (the least finished count). The
+        others block on the decision's key: no survivor polls. A survivor that dies meanwhile drops
+        out: at every change published during the wait each survivor looks again whether its node's
+        remaining survivors and then every remaining survivor have posted. A failure of
         one of ``running`` (the members this process was running with) must be published within
         ``detect_timeout``; after PROBE_AFTER_SECONDS without one the agent asks the coordinator to
         look for a member whose end it did not count as a failure.
@@ -244,39 +262,49 @@ class MembershipAgent:
         self.refresh(latest_from)
         epoch = self.current.epoch
         self._wait_for_failure(set(running) | self._concerned(self.current, self.current, self.store), detect_timeout)
-        posted = self._post_progress(epoch, progress)
+        here = self._post_progress(epoch, progress)
         key = proto.recovery_key(epoch)
         looked_at, pending = None, self._read_pending(self.node_store)
+        slices = 0
         while True:
             # Looks at the changes after this survivor's post, on the node's store: a failure the
             # copy has not reached yet leaves the dead among the survivors (a stricter count: no
             # decision without it, or the decision's epoch fails on entry), and is seen a slice later.
             if len(pending) != looked_at:
+                after_post = looked_at is None and here is not None
                 looked_at = len(pending)
-                decision = self._propose_recovery(epoch, pending, posted)
-                posted = None
-                if decision is not None:
-                    break
+                count = self._forward_progress(epoch, tuple(pending[self.applied :]), here if after_post else None)
+                # Right after its own post only a survivor that forwarded its node's posts moved the count.
+                if count is not None or not after_post:
+                    decision = self._propose_recovery(epoch, pending, count)
+                    if decision is not None:
+                        break
             # The node's agent copies the decision of the epoch it saw the failure in...
             if _wait_for_key(self.node_store, key, RECOVERY_SLICE_SECONDS):
                 decision = Decision.from_json(self.node_store.get(key))
                 break
+            slices += 1
             # ...but it may be made in a later one, or its copy may come late.
-            if self.store.check([key]):
-                decision = Decision.from_json(self.store.get(key))
-                break
-            # A newer epoch without this recovery's decision: made by a boundary this survivor did
-            # not see (the decision's key is set before the epoch it makes is published).
-            if int(self.store.get(proto.CURRENT_EPOCH)) > epoch and not self.store.check([key]):
-                logger.info(f"ReCycle: slot {self.slot}: epoch {epoch} was superseded in its recovery; recovering anew")
-                return None
+            if slices % RECOVERY_CHECK_SLICES == 0:
+                if self.store.check([key]):
+                    decision = Decision.from_json(self.store.get(key))
+                    break
+                # A newer epoch without this recovery's decision: made by a boundary this survivor
+                # did not see (the decision's key is set before the epoch it makes is published).
+                if int(self.store.get(proto.CURRENT_EPOCH)) > epoch and not self.store.check([key]):
+                    logger.info(
+                        f"ReCycle: slot {self.slot}: epoch {epoch} was superseded in its recovery; recovering anew"
+                    )
+                    return None
             looked = self._read_pending(self.node_store)
             pending = looked if len(looked) > len(pending) else pending  # a copy that lags shows fewer
             if time.monotonic() > deadline:
                 survivors = self._survivors(tuple(self._read_pending()[self.applied :]))
                 posted = [proto.progress_key(epoch, s) for s in survivors]
                 missing = [s for s, k in zip(survivors, posted, strict=True) if not self.store.check([k])]
-                raise MembershipError(f"survivors {missing} did not report their progress within {timeout:.0f} s")
+                raise MembershipError(
+                    f"the progress of survivors {missing} did not reach the job's store within {timeout:.0f} s"
+                )
         return self._take(decision, at_boundary=False)
 
     def _propose_recovery(self, epoch: int, pending: list[Change], count: int | None = None) -> Decision | None:
@@ -300,14 +328,42 @@ class MembershipAgent:
         return decision
 
     def _post_progress(self, epoch: int, progress: Progress) -> int | None:
-        """Post this survivor's progress in ``epoch``, and count it once; returns the count after
-        this post (None when this process posted in ``epoch`` before: no other process of this
-        slot is a survivor of an epoch this one was a member of)."""
-        self.store.set(proto.progress_key(epoch, self.slot), progress.to_json())
+        """Post this survivor's progress in ``epoch`` on the node's store, and count it there once;
+        returns the node's count after this post (None when this process posted in ``epoch``
+        before: no other process of this slot is a survivor of an epoch this one was a member of)."""
+        self.node_store.set(proto.progress_key(epoch, self.slot), progress.to_json())
         if self._posted_in == epoch:
             return None
         self._posted_in = epoch
-        return int(self.store.add(proto.progress_count_key(epoch), 1))
+        return int(self.node_store.add(proto.progress_count_key(epoch), 1))
+
+    def _forward_progress(self, epoch: int, changes: tuple[Change, ...], here: int | None) -> int | None:
+        """Copy the posts of this node's survivors (as ``changes`` leave them) to the job's store and
+        count them there, once every one of them posted on the node's store; returns the job's count
+        after it, or None when this survivor did not copy them. ``here``: the node's count that this
+        survivor's own post just read (None: read it, after a later change)."""
+        if self._forwarded_in == epoch:
+            return None
+        survivors = [s for s in self._survivors(changes) if s in self.node_slots]
+        posts = [proto.progress_key(epoch, s) for s in survivors]
+        if here is None:
+            here = int(self.node_store.add(proto.progress_count_key(epoch), 0))
+        if here < len(survivors) or not self.node_store.check(posts) or not self._claim_forward(epoch, survivors):
+            return None
+        self.store.multi_set(posts, list(self.node_store.multi_get(posts)))
+        self._forwarded_in = epoch
+        return int(self.store.add(proto.progress_count_key(epoch), len(posts)))
+
+    def _claim_forward(self, epoch: int, survivors: list[int]) -> bool:
+        """Whether this survivor copies its node's posts: the first to claim it, or the first to
+        claim it from a claimer that is no longer a survivor (it may have died before it copied
+        them; if it did copy them, the job's count runs above the survivors', which only sends the
+        proposers to look at the posts: a decision needs every survivor's)."""
+        key, me = proto.progress_forwarder_key(epoch), str(self.slot)
+        claim = self.node_store.compare_set(key, "", me).decode()
+        if claim != me and int(claim) not in survivors:
+            claim = self.node_store.compare_set(key, claim, me).decode()
+        return claim == me
 
     def _wait_for_failure(self, slots: set[int], detect_timeout: float) -> None:
         """Until a failure among ``slots`` is published: blocks on this slot's next alert key in the
@@ -412,18 +468,23 @@ class MembershipAgent:
         self, membership: Membership, failure_announced: Callable[[], bool], timeout: float, copied: bool = False
     ) -> None:
         """Wait until every member of ``membership`` is ready to build its world: each counts itself
-        (``ready/<n>``), the one whose count completes the members sets ``entered/<n>``, and the
-        others block on it: on the node's store when its agent copies the key there (``copied``:
-        an epoch a recovery decision made), backed by a look at the job's store at every check.
+        on its node's store (``ready/<n>``), the one whose count completes its node's members counts
+        them on the job's store, the one whose count completes the members sets ``entered/<n>``, and
+        the others block on it: on the node's store when its agent copies the key there (``copied``:
+        an epoch a recovery decision made), backed by a look at the job's store at every check. A
+        member that dies before it counts itself leaves its node's count short: the others see its
+        failure at a check.
         Raises EpochSuperseded if a newer epoch was decided meanwhile, and MemberFailed if a failure
         was announced (``failure_announced()``) or one of the members failed."""
         epoch = membership.epoch
         self._records[epoch] = membership
         key = proto.entered_key(epoch)
-        if int(self.store.add(proto.ready_key(epoch), 1)) >= len(membership.members):
-            self._publish(membership)  # in case its decider died before it did (a leaver at a boundary)
-            self.store.set(key, "1")
-            return
+        here = int(self.node_store.add(proto.ready_key(epoch), 1))
+        if here == len([m for m in membership.members if m in self.node_slots]):
+            if int(self.store.add(proto.ready_key(epoch), here)) >= len(membership.members):
+                self._publish(membership)  # in case its decider died before it did (a leaver at a boundary)
+                self.store.set(key, "1")
+                return
         deadline = time.monotonic() + timeout
         slices = 0
         while not _wait_for_key(self.node_store if copied else self.store, key, ENTER_SLICE_SECONDS):

@@ -58,6 +58,14 @@ same keys and generation prefix: ``change/<seq>``, the latest ``epoch/<n>`` with
 each of the node's slots when the copy's ``alert`` is k. A rank's watcher blocks on its own next one
 (and sets it to wake itself when it stops). The decisions are taken on the job's store only.
 
+The node's ranks also count there what the job's store then counts once per node: a survivor posts
+``progress/<n>/<slot>`` and adds 1 to ``progress_count/<n>`` on the node's store; the one whose add
+completes the node's survivors claims ``progress_forwarder/<n>`` on the node's store (its slot, by
+``compare_set``), copies their posts to the job's store in one ``multi_set`` and adds their number
+to the job's ``progress_count/<n>``; if the claimer dies, a node's survivor that sees its failure
+claims it from it and copies them again. A member entering epoch n adds 1 to the node's ``ready/<n>``;
+the one whose add completes the node's members adds their number to the job's ``ready/<n>``.
+
 Two keys live outside every generation, at the store's root: ``generation`` (the generation the
 coordinator runs; written once its ``job/<g>/`` keys are) and ``check_in/<node>`` (a
 :class:`CheckIn`: an agent waiting for the coordinator to start a generation). A coordinator
@@ -198,6 +206,11 @@ def progress_key(epoch: int, slot: int) -> str:
 
 def progress_count_key(epoch: int) -> str:
     return f"progress_count/{epoch}"
+
+
+def progress_forwarder_key(epoch: int) -> str:
+    """On the node's store only."""
+    return f"progress_forwarder/{epoch}"
 
 
 def change_key(seq: int) -> str:

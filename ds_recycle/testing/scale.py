@@ -291,6 +291,7 @@ def _worker(
                 generation=0,
                 beats_dir=beats_dir(root, node),
                 node_address=watches[node].address,
+                node_slots=tuple(watches[node].slots),
             )
             ranks[slot] = EmulatedRank(agent, shape, t0, records)
             ranks[slot].start()

@@ -74,12 +74,15 @@ class Harness:
             self._node_watch = NodeWatch(f"127.0.0.1:{self.server.port}", 0, 0, range(WORLD)).start()
         return self._node_watch
 
-    def agent(self, slot: int):
-        """Slot ``slot``'s membership agent, as ``MembershipAgent.from_env`` makes it."""
+    def agent(self, slot: int, watch: NodeWatch | None = None):
+        """Slot ``slot``'s membership agent, as ``MembershipAgent.from_env`` makes it, on the node of
+        ``watch`` (default: one node of every slot)."""
         from ds_recycle.runtime.membership import MembershipAgent
 
+        watch = watch or self.node_watch()
         agent = MembershipAgent(f"127.0.0.1:{self.server.port}", slot, TOKEN, 0, 0)
-        agent.node_address = self.node_watch().address
+        agent.node_address = watch.address
+        agent.node_slots = tuple(watch.slots)
         agent.store, agent.node_store = agent.connect(), agent.connect_node()
         agent.current = proto.read_membership(agent.store)
         return agent
@@ -647,8 +650,9 @@ class _Survivors:
     """Slots 0, 1 and 2 as trainers' membership agents (real clients of the harness's store), each
     recovering from slot 3's failure in a thread of its own."""
 
-    def __init__(self, h: Harness) -> None:
-        self.agents = {slot: h.agent(slot) for slot in (0, 1, 2)}
+    def __init__(self, h: Harness, watches: list[NodeWatch] | None = None) -> None:
+        """``watches``: each node's, of two slots each (default: one node of every slot)."""
+        self.agents = {slot: h.agent(slot, watches[slot // 2] if watches else None) for slot in (0, 1, 2)}
         self.decisions: dict[int, object] = {}
         self.threads: list[threading.Thread] = []
 
@@ -716,3 +720,86 @@ def test_an_epoch_whose_decider_died_before_publishing_it_is_published_by_the_su
         survivors.recover(slot, 3 if slot == 0 else 4)
     decision = survivors.one_decision()
     assert decision.epoch == 1 and decision.iteration == 3 and decision.next.members == (0, 1, 2)
+
+
+@pytest.fixture
+def two_nodes():
+    """The harness with two nodes of two slots, each with its node's watch."""
+    h = Harness(HeartbeatPolicy(enabled=False), NodeLayout(2, 2, 60.0))
+    address = f"127.0.0.1:{h.server.port}"
+    watches = [NodeWatch(address, 0, node, range(2 * node, 2 * node + 2)).start() for node in (0, 1)]
+    yield h, watches
+    for watch in watches:
+        watch.stop()
+    h.stop()
+
+
+def _node_store(watch: NodeWatch):
+    return proto.connect(watch.address, 0)
+
+
+def test_each_nodes_survivors_progress_reaches_the_jobs_store_in_one_copy(two_nodes):
+    """Slot 3 dies. Slots 0 and 1 (node 0) and slot 2 (node 1) post their progress on their node's
+    store; the survivor whose post completes its node's copies the node's posts to the job's store
+    and counts them there once: the job's count is the survivors', and the decision is theirs."""
+    h, watches = two_nodes
+    survivors = _Survivors(h, watches)
+    h.coordinator.rank_exited(RankExit(slot=3, incarnation=0, returncode=-9, observed=time.time()))
+    h.wait_for_line("published failure of slot 3")
+    for slot, done in ((0, 5), (1, 6), (2, 6)):
+        survivors.recover(slot, done)
+    decision = survivors.one_decision()
+    assert decision.epoch == 0 and decision.iteration == 5 and decision.next.members == (0, 1, 2)
+    assert int(h.store.add(proto.progress_count_key(0), 0)) == 3, "each node counted its survivors once"
+    assert [proto.Progress.from_json(h.store.get(proto.progress_key(0, s))).done for s in (0, 1, 2)] == [5, 6, 6]
+    node_0, node_1 = (_node_store(w) for w in watches)
+    assert node_0.get(proto.progress_forwarder_key(0)) in (b"0", b"1")
+    assert node_1.get(proto.progress_forwarder_key(0)) == b"2"
+    assert int(node_0.add(proto.progress_count_key(0), 0)) == 2 and int(node_1.add(proto.progress_count_key(0), 0)) == 1
+
+
+def test_a_nodes_survivor_that_dies_before_it_posts_leaves_the_copy_to_its_node_mate(two_nodes):
+    """Slot 3 dies; slot 0 posts on node 0's store, where slot 1 never posts: it dies too. Slot 0
+    sees slot 1's failure, finds its node's remaining survivors posted, and copies them: slots 0
+    and 2 decide without slots 1 and 3."""
+    h, watches = two_nodes
+    survivors = _Survivors(h, watches)
+    h.coordinator.rank_exited(RankExit(slot=3, incarnation=0, returncode=-9, observed=time.time()))
+    h.wait_for_line("published failure of slot 3")
+    survivors.recover(0, 5)
+    survivors.recover(2, 5)
+    node_0 = _node_store(watches[0])
+    assert _wait(lambda: node_0.check([proto.progress_key(0, 0)]))
+    time.sleep(0.3)
+    assert not h.store.check([proto.progress_key(0, 0)]), "node 0's copy waits for slot 1"
+    h.coordinator.rank_exited(RankExit(slot=1, incarnation=0, returncode=-9, observed=time.time()))
+    for thread in survivors.threads:
+        thread.join(timeout=20)
+    decisions = {slot: survivors.decisions[slot] for slot in (0, 2)}
+    assert all(isinstance(d, proto.Decision) for d in decisions.values()), decisions
+    assert decisions[0] == decisions[2] and decisions[0].next.members == (0, 2)
+    assert node_0.get(proto.progress_forwarder_key(0)) == b"0"
+
+
+def test_a_forwarder_that_died_before_copying_is_taken_over(two_nodes):
+    """Slot 1 posted on node 0's store and claimed the copy, and died before it made it (its post
+    and its claim are written here as it left them). Slot 0 finds the claimer gone, claims the copy
+    from it and makes it: slots 0 and 2 decide without slots 1 and 3."""
+    h, watches = two_nodes
+    survivors = _Survivors(h, watches)
+    node_0 = _node_store(watches[0])
+    node_0.set(proto.progress_key(0, 1), proto.Progress(5, False).to_json())
+    node_0.add(proto.progress_count_key(0), 1)
+    node_0.set(proto.progress_forwarder_key(0), "1")
+    for slot in (3, 1):
+        h.coordinator.rank_exited(RankExit(slot=slot, incarnation=0, returncode=-9, observed=time.time()))
+        h.wait_for_line(f"published failure of slot {slot}")
+    survivors.recover(0, 5)
+    survivors.recover(2, 5)
+    for thread in survivors.threads:
+        thread.join(timeout=20)
+    decisions = {slot: survivors.decisions[slot] for slot in (0, 2)}
+    assert all(isinstance(d, proto.Decision) for d in decisions.values()), decisions
+    assert decisions[0] == decisions[2] and decisions[0].next.members == (0, 2)
+    assert node_0.get(proto.progress_forwarder_key(0)) == b"0", "slot 0 took the copy over"
+    assert h.store.check([proto.progress_key(0, 0)]) and not h.store.check([proto.progress_key(0, 1)])
