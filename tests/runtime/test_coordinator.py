@@ -507,58 +507,64 @@ def test_a_watcher_key_left_by_a_stopped_process_neither_raises_nor_spins_in_its
 # ---- the other side: a node's agent link (runtime/node.py) ----------------------------------------
 
 
-def test_each_node_copies_the_changes_and_the_latest_epoch_once_and_wakes_its_own_slots_only():
+@pytest.fixture
+def two_nodes():
+    """The harness with two nodes of two slots, each with its node's watch."""
+    h = Harness(HeartbeatPolicy(enabled=False), NodeLayout(2, 2, 60.0))
+    address = f"127.0.0.1:{h.server.port}"
+    watches = [NodeWatch(address, 0, node, range(2 * node, 2 * node + 2)).start() for node in (0, 1)]
+    yield h, watches
+    for watch in watches:
+        watch.stop()
+    h.stop()
+
+
+def test_each_node_copies_the_changes_and_the_latest_epoch_once_and_wakes_its_own_slots_only(two_nodes):
     """Two nodes of two slots. The coordinator wakes one key per node, not per slot; each node's
     watch copies the changes, the epoch a boundary decided (with the decision, for its leavers) and
     ``current_epoch`` into the node's store, then sets its own slots' alert keys there; after a
     failure, the recovery decision of the epoch and the entry into the epoch it makes too."""
-    h = Harness(HeartbeatPolicy(enabled=False), NodeLayout(2, 2, 60.0))
+    h, watches = two_nodes
     address = f"127.0.0.1:{h.server.port}"
-    watches = [NodeWatch(address, 0, node, range(2 * node, 2 * node + 2)).start() for node in (0, 1)]
-    try:
-        local = [proto.connect(w.address, 0) for w in watches]
-        listening = {(c.laddr.ip, c.laddr.port) for c in psutil.net_connections("tcp") if c.status == "LISTEN"}
-        for watch in watches:
-            port = int(watch.address.rpartition(":")[2])
-            assert {ip for ip, p in listening if p == port} == {"127.0.0.1"}, "a node's store is on loopback only"
-        h.request(proto.LEAVE, 3)
-        h.wait_for_line("accepted leave of slot 3")
-        _decide_at_boundary(h, (0, 1, 2), 0)
-        h.request(proto.JOIN, 3)
-        h.wait_for_line("accepted join of slot 3")
-        assert _wait(lambda: all(w.seen == 2 for w in watches)), "every node copies both changes"
-        assert not h.store.check([proto.alert_key(0, 1)]), "no per-slot key in the job's store"
-        assert all(h.store.check([proto.node_alert_key(node, 2)]) for node in (0, 1))
-        for node, store in enumerate(local):
-            assert proto.read_pending(store) == h.pending()
-            assert int(store.get(proto.CURRENT_EPOCH)) == 1
-            assert proto.read_membership(store).members == (0, 1, 2)
-            assert proto.left_at_boundary(proto.read_membership(store), store) == {3}, "the decision is copied"
-            own, other = range(2 * node, 2 * node + 2), range(2 - 2 * node, 4 - 2 * node)
-            assert all(store.check([proto.alert_key(s, k)]) for s in own for k in (1, 2))
-            assert not any(store.check([proto.alert_key(s, 1)]) for s in other)
-        # A stopped watch wakes itself with its next key; its successor on the node skips that key
-        # and still wakes for the real change with the same number.
-        watches[1].stop()
-        successor = NodeWatch(address, 0, 1, range(2, 4)).start()
-        watches[1] = successor
-        time.sleep(0.3)
-        assert successor.seen == 2 and successor._thread.is_alive()
-        h.coordinator.rank_exited(RankExit(0, 0, -9, time.time()))
-        assert _wait(lambda: successor.seen == 3), "the real third change still wakes the successor"
-        node_store = proto.connect(successor.address, 0)
-        assert proto.read_pending(node_store)[-1].kind == proto.FAILED
-        # With a failure the watch also awaits the recovery decision of the epoch it copied.
-        decision = proto.Decision(1, 0, 3, tuple(h.pending()[2:]), Membership(2, (1, 2), 0))
-        h.store.set(proto.recovery_key(1), decision.to_json())
-        assert _wait(lambda: node_store.check([proto.recovery_key(1)])), "the recovery decision is copied"
-        assert proto.Decision.from_json(node_store.get(proto.recovery_key(1))) == decision
-        h.store.set(proto.entered_key(2), "1")  # then the entry into the epoch it makes
-        assert _wait(lambda: node_store.check([proto.entered_key(2)])), "the entry is copied"
-    finally:
-        for watch in watches:
-            watch.stop()
-        h.stop()
+    local = [proto.connect(w.address, 0) for w in watches]
+    listening = {(c.laddr.ip, c.laddr.port) for c in psutil.net_connections("tcp") if c.status == "LISTEN"}
+    for watch in watches:
+        port = int(watch.address.rpartition(":")[2])
+        assert {ip for ip, p in listening if p == port} == {"127.0.0.1"}, "a node's store is on loopback only"
+    h.request(proto.LEAVE, 3)
+    h.wait_for_line("accepted leave of slot 3")
+    _decide_at_boundary(h, (0, 1, 2), 0)
+    h.request(proto.JOIN, 3)
+    h.wait_for_line("accepted join of slot 3")
+    assert _wait(lambda: all(w.seen == 2 for w in watches)), "every node copies both changes"
+    assert not h.store.check([proto.alert_key(0, 1)]), "no per-slot key in the job's store"
+    assert all(h.store.check([proto.node_alert_key(node, 2)]) for node in (0, 1))
+    for node, store in enumerate(local):
+        assert proto.read_pending(store) == h.pending()
+        assert int(store.get(proto.CURRENT_EPOCH)) == 1
+        assert proto.read_membership(store).members == (0, 1, 2)
+        assert proto.left_at_boundary(proto.read_membership(store), store) == {3}, "the decision is copied"
+        own, other = range(2 * node, 2 * node + 2), range(2 - 2 * node, 4 - 2 * node)
+        assert all(store.check([proto.alert_key(s, k)]) for s in own for k in (1, 2))
+        assert not any(store.check([proto.alert_key(s, 1)]) for s in other)
+    # A stopped watch wakes itself with its next key; its successor on the node skips that key
+    # and still wakes for the real change with the same number.
+    watches[1].stop()
+    successor = NodeWatch(address, 0, 1, range(2, 4)).start()
+    watches[1] = successor
+    time.sleep(0.3)
+    assert successor.seen == 2 and successor._thread.is_alive()
+    h.coordinator.rank_exited(RankExit(0, 0, -9, time.time()))
+    assert _wait(lambda: successor.seen == 3), "the real third change still wakes the successor"
+    node_store = proto.connect(successor.address, 0)
+    assert proto.read_pending(node_store)[-1].kind == proto.FAILED
+    # With a failure the watch also awaits the recovery decision of the epoch it copied.
+    decision = proto.Decision(1, 0, 3, tuple(h.pending()[2:]), Membership(2, (1, 2), 0))
+    h.store.set(proto.recovery_key(1), decision.to_json())
+    assert _wait(lambda: node_store.check([proto.recovery_key(1)])), "the recovery decision is copied"
+    assert proto.Decision.from_json(node_store.get(proto.recovery_key(1))) == decision
+    h.store.set(proto.entered_key(2), "1")  # then the entry into the epoch it makes
+    assert _wait(lambda: node_store.check([proto.entered_key(2)])), "the entry is copied"
 
 
 def test_a_node_whose_watch_lost_the_jobs_store_wakes_its_ranks_watchers():
@@ -720,18 +726,6 @@ def test_an_epoch_whose_decider_died_before_publishing_it_is_published_by_the_su
         survivors.recover(slot, 3 if slot == 0 else 4)
     decision = survivors.one_decision()
     assert decision.epoch == 1 and decision.iteration == 3 and decision.next.members == (0, 1, 2)
-
-
-@pytest.fixture
-def two_nodes():
-    """The harness with two nodes of two slots, each with its node's watch."""
-    h = Harness(HeartbeatPolicy(enabled=False), NodeLayout(2, 2, 60.0))
-    address = f"127.0.0.1:{h.server.port}"
-    watches = [NodeWatch(address, 0, node, range(2 * node, 2 * node + 2)).start() for node in (0, 1)]
-    yield h, watches
-    for watch in watches:
-        watch.stop()
-    h.stop()
 
 
 def _node_store(watch: NodeWatch):

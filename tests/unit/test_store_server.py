@@ -19,22 +19,19 @@ def _serves(host: str, port: int) -> bool:
     return client.get("probe") == b"1"
 
 
-def test_a_loopback_host_is_served_on_that_address_only():
-    server = proto.serve("127.0.0.1", 0, timeout=10.0)
-    assert _listening(server.port) == {"127.0.0.1"}
-    assert _serves("127.0.0.1", server.port)
-
-
-def test_another_ipv4_host_is_served_on_every_ipv4_interface_and_not_over_ipv6():
-    server = proto.serve("0.0.0.0", 0, timeout=10.0)
-    assert _listening(server.port) == {"0.0.0.0"}
-    assert _serves("127.0.0.1", server.port)
-
-
-def test_a_name_keeps_the_stores_own_socket_on_every_interface():
-    server = proto.serve("localhost", 0, timeout=10.0)
-    assert _listening(server.port) == {"::"}
-    assert _serves("localhost", server.port)
+@pytest.mark.parametrize(
+    ("host", "listens_on", "client_host"),
+    [
+        ("127.0.0.1", "127.0.0.1", "127.0.0.1"),  # a loopback host: that address only
+        ("0.0.0.0", "0.0.0.0", "127.0.0.1"),  # another IPv4 host: every IPv4 interface, not IPv6
+        ("localhost", "::", "localhost"),  # a name: the store's own socket, every interface
+    ],
+    ids=["loopback", "other-ipv4", "name"],
+)
+def test_where_the_store_listens_follows_its_host(host: str, listens_on: str, client_host: str):
+    server = proto.serve(host, 0, timeout=10.0)
+    assert _listening(server.port) == {listens_on}
+    assert _serves(client_host, server.port)
 
 
 def test_a_busy_port_is_an_error_that_names_it_and_the_first_server_keeps_serving():
