@@ -924,7 +924,7 @@ class RecyclePipelineEngine(PipelineEngine):
             # Every live worker starts the iteration (or evaluation) on the same plan: connecting
             # here connects each pair the plan adds from both of its workers at once.
             step_peers = self.stepper.peers if pipe_schedule.trains else set()
-            self.channel.connect(pipe_schedule.peers | step_peers)
+            self.channel.connect(pipe_schedule.peers | step_peers, self.global_steps)
         self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
         self.fwd_outputs = []
         self.instruction_events = []

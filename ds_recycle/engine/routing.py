@@ -8,9 +8,11 @@ which every worker connects before the iteration (or re-sync) that first uses it
 ends); receives wait, failure-aware (:class:`~ds_recycle.runtime.waiting.Waiter`), so a dead peer
 never blocks a survivor.
 
-No message carries a tag: NCCL has none, and gloo and NCCL both match the sends and receives
-between two ranks in the order they were posted. The protocol is therefore an order: on every
-directed pair of workers, both sides post the pair's messages in one order, which is
+No message carries a tag of its own: NCCL has none, and gloo and NCCL both match the sends and
+receives between two ranks in the order they were posted (on gloo a pair's messages carry the
+epoch, so that a pair kept into a new epoch never matches a message a failure abandoned in an
+older one: ``PairLinks``). The protocol is therefore an order: on every directed pair of workers,
+both sides post the pair's messages in one order, which is
 
 1. the routed transfers of the iteration's instruction stream (activations from stage ``s`` to
    ``s + 1``, gradients from ``s + 1`` to ``s``), in the order the lowering derives from the plan
@@ -91,11 +93,11 @@ class PeerChannel:
         pipeline, stage = worker
         return self.grid.stage_to_global(stage_id=stage, data=pipeline)
 
-    def connect(self, peers: set[Worker]) -> None:
+    def connect(self, peers: set[Worker], iteration: int) -> None:
         """Connect this worker to ``peers`` (those not connected yet). Every worker calls it at the
-        same point of the program with the peers the same plan gives it, so that each pair is
-        connected by both of its workers at once."""
-        self.grid.links.connect({self.rank_of(peer) for peer in peers}, self.waiter)
+        same point of the program (the start of iteration ``iteration``, or of a re-sync) with the
+        peers the same plan gives it, so that each pair is connected by both of its workers at once."""
+        self.grid.links.connect({self.rank_of(peer) for peer in peers}, self.waiter, iteration)
 
     def send(self, tensors: tuple[torch.Tensor, ...], peer: Worker, kind: int, home: int, mb: int) -> None:
         dst = self.rank_of(peer)

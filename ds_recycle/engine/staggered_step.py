@@ -269,7 +269,7 @@ class StageStepper:
 
     def resync_tied_weights(self) -> None:
         """After a rollback: followers take the owner's (restored) tied weights again."""
-        self.channel.connect(self.tied_peers())
+        self.channel.connect(self.tied_peers(), self.engine.global_steps)
         self._exchange_tied_weights()
         self.channel.wait_sends()
 

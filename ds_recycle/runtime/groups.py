@@ -24,7 +24,9 @@ only at the group timeout. So routed p2p runs on :class:`PairLinks`: one two-ran
 workers that exchange messages, connected by one one-element all-reduce (a collective) that both
 ranks start at the same point of the program and wait for against the failure flag. A rank
 connects only its peers, never the whole world: its store operations per epoch grow with its
-peers, not with the world.
+peers, not with the world. A pair's group is kept from epoch to epoch while both its workers stay
+members: a failure makes new pairs only where the plan re-routes, and a worker's other pairs cost
+nothing (the world and its stage and pipe groups are still made afresh).
 """
 
 from __future__ import annotations
@@ -121,85 +123,144 @@ def _leave_world_at_exit() -> None:
 
 
 PAIR_PREFIX = "pair"
-"""The store prefix of a world's pair groups: ``<world's prefix>/pair/<k>/<lower rank>_<higher rank>/``,
-for the k-th :class:`PairLinks` of that world (several engines can share one world)."""
+"""The store prefix of the pair groups: ``pair/<k>/<epoch>/<lower slot>_<higher slot>/`` for the
+k-th :class:`PairLinks` of a process (several engines can share one process) and the epoch in
+which both workers made the pair's group."""
 
-_links_made: dict[int, int] = {}
-"""By world (the default group's id): how many :class:`PairLinks` this process made on it."""
+PAIR_TIMEOUT_SECONDS = 7 * 24 * 3600.0
+"""A pair group's gloo timeout: never reached. gloo closes a pair when any op on it times out, and a
+kept pair carries the ops a failure abandoned in earlier epochs (each epoch its own tag), which no
+one completes: with the group timeout it would close 120 s after a failure. The waits on a pair's
+ops are bounded by :class:`~ds_recycle.runtime.waiting.Waiter` instead."""
+
+_links_made = 0
+"""How many :class:`PairLinks` this process made: each engine's k-th, in the same order on every rank."""
+
+
+@dataclass
+class Pair:
+    """One pair's two-rank group and its connection."""
+
+    group: object
+    iteration: int
+    """The iteration at whose start (``global_steps``) this worker posted the connecting all-reduce."""
+    connected: bool = False
 
 
 @dataclass
 class PairLinks:
-    """Routed p2p's transport in one world: a two-rank gloo group per peer this rank exchanges
-    messages with (see the module doc). On a world that is not gloo's (NCCL connects its pairs
-    itself; a joiner's placeholder world carries nothing) the messages go on the world group."""
+    """Routed p2p's transport: a two-rank gloo group per peer this worker exchanges messages with
+    (see the module doc), kept from epoch to epoch while both workers stay members.
 
-    rank: int
-    timeout: float
+    A pair's group outlives its world: it is made on the job's store under a prefix both workers
+    derive alike (the slots and the epoch in which they make it), and each epoch's messages carry
+    the epoch as their tag. A failure leaves abandoned sends and receives on a pair (posted by one
+    side only); under an older tag they never match a later message, and with
+    :data:`PAIR_TIMEOUT_SECONDS` they never time out and close the pair.
+
+    Entering an epoch forgets a pair whose peer is not a member (a respawned or re-joined process is
+    a new peer), every pair when this process holds another slot, and a pair connected at or after
+    the epoch's first iteration. Both workers of a pair connect it at the start of the same
+    iteration; one that every member of the new epoch finished was connected by both, while one
+    connected later may have been cut short on either side (a peer stopped before its own connect;
+    a connection waiting for a dead worker's address on the same store client), so both forget it
+    alike and make a new group when they next need it. On a world that is not gloo's (NCCL connects
+    its pairs itself; a joiner's placeholder world carries nothing) the messages go on the world
+    group."""
+
+    index: int
+    slot: int = -1
+    epoch: int = -1
+    members: tuple[int, ...] = ()
     store: object | None = None
-    """The world's store; None: p2p on the world group."""
-    groups: dict[int, object] = field(default_factory=dict)
-    """By peer rank: the pair's group (created, perhaps not connected)."""
-    connected: set[int] = field(default_factory=set)
-    prefix: str = PAIR_PREFIX
+    """This epoch's client of the job's store (the world's own); None: p2p on the world group."""
+    pairs: dict[int, Pair] = field(default_factory=dict)
+    """By peer slot."""
 
     @classmethod
-    def of_world(cls, timeout: float) -> PairLinks:
-        """The links of the current world; every rank of it makes its k-th at the same point."""
-        if dist.get_backend() != dist.Backend.GLOO:
-            return cls(dist.get_rank(), timeout)
-        world = id(c10d._get_default_group())
-        made = _links_made.get(world, 0)
-        _links_made[world] = made + 1
-        return cls(dist.get_rank(), timeout, c10d._get_default_store(), prefix=f"{PAIR_PREFIX}/{made}")
+    def create(cls) -> PairLinks:
+        """The links of a new engine; every rank makes its k-th at the same point."""
+        global _links_made
+        _links_made += 1
+        return cls(_links_made - 1)
 
-    def connect(self, peers, waiter) -> None:
-        """Connect this rank to every rank of ``peers`` it is not connected to yet. Each of them
-        must call this with this rank among its ``peers`` at the same point of the program (the
-        start of an iteration, or of a re-sync): the connection is a collective of the pair."""
+    def enter(self, membership: Membership, slot: int) -> None:
+        """Take the current world (``membership``'s) for this worker, forgetting the pairs that
+        cannot be kept (see the class doc)."""
+        gloo = dist.get_backend() == dist.Backend.GLOO
+        members = set(membership.members)
+        for peer, pair in list(self.pairs.items()):
+            if slot != self.slot or not gloo or peer not in members or pair.iteration >= membership.iteration:
+                del self.pairs[peer]  # buried when made
+        self.slot, self.epoch, self.members = slot, membership.epoch, membership.members
+        self.store = None
+        if gloo:
+            world_store = c10d._get_default_store()
+            self.store = world_store.underlying_store if isinstance(world_store, dist.PrefixStore) else world_store
+
+    def connect(self, peers, waiter, iteration: int) -> None:
+        """Connect this worker to every rank of ``peers`` (ranks of the current world) it is not
+        connected to yet. Each of them must call this with this worker among its ``peers`` at the
+        same point of the program (the start of iteration ``iteration``, or of a re-sync): the
+        connection is a collective of the pair."""
         if self.store is None:
             return
-        new = sorted(set(peers) - self.connected - {self.rank})
-        # Every group first, then every connection: a group publishes its address on the world's
+        new = sorted(s for s in {self.members[rank] for rank in peers} - {self.slot} if not self._connected(s))
+        cut_short = [peer for peer in new if peer in self.pairs]
+        if cut_short:  # a connection cut short ends its epoch, and entering the next forgets the pair
+            raise RuntimeError(
+                f"slot {self.slot}: pairs with slots {cut_short} were made but not connected in this epoch"
+            )
+        # Every group first, then every connection: a group publishes its address on the epoch's
         # store client, which a connection's lookup of a peer's address holds until the peer
-        # publishes its own (a dead one: until the timeout), so a group made after a connection
-        # could wait there, in C++, beyond the failure flag.
+        # publishes it (a dead one: until the timeout), so a group made after a connection could
+        # wait there, in C++, beyond the failure flag.
         with lazy_connections():
             for peer in new:
-                if peer not in self.groups:
-                    self.groups[peer] = self._group(peer)
-                    bury([self.groups[peer]])
-        works = [(peer, self.groups[peer].allreduce([torch.zeros(1)])) for peer in new]
+                self.pairs[peer] = Pair(self._group(peer), iteration)
+                bury([self.pairs[peer]])
+        works = [(peer, self.pairs[peer].group.allreduce([torch.zeros(1)])) for peer in new]
         for peer, work in works:
-            waiter.collective(lambda work=work: work, f"connecting rank {self.rank} to rank {peer}")
-            self.connected.add(peer)
+            waiter.collective(lambda work=work: work, f"connecting slot {self.slot} to slot {peer}")
+            self.pairs[peer].connected = True
+
+    def _connected(self, peer: int) -> bool:
+        return peer in self.pairs and self.pairs[peer].connected
 
     def _group(self, peer: int):
-        low, high = sorted((self.rank, peer))
+        low, high = sorted((self.slot, peer))
         options = dist.ProcessGroupGloo._Options()
-        options._timeout = datetime.timedelta(seconds=self.timeout)
+        options._timeout = datetime.timedelta(seconds=PAIR_TIMEOUT_SECONDS)
         options._threads = 1
         options._devices = _pair_devices()
-        store = dist.PrefixStore(f"{self.prefix}/{low}_{high}/", self.store)
-        return dist.ProcessGroupGloo(store, 0 if self.rank == low else 1, 2, options)
+        store = dist.PrefixStore(f"{PAIR_PREFIX}/{self.index}/{self.epoch}/{low}_{high}/", self.store)
+        return dist.ProcessGroupGloo(store, 0 if self.slot == low else 1, 2, options)
 
     def isend(self, tensor: torch.Tensor, dst: int):
-        group = self._linked(dst)
-        return dist.isend(tensor, dst=dst) if group is None else group.send([tensor], int(dst > self.rank), 0)
+        """Send to rank ``dst`` of the current world."""
+        pair = self._linked(dst)
+        if pair is None:
+            return dist.isend(tensor, dst=dst)
+        return pair.group.send([tensor], int(self.members[dst] > self.slot), self.epoch)
 
     def irecv(self, tensor: torch.Tensor, src: int):
-        group = self._linked(src)
-        return dist.irecv(tensor, src=src) if group is None else group.recv([tensor], int(src > self.rank), 0)
+        """Receive from rank ``src`` of the current world."""
+        pair = self._linked(src)
+        if pair is None:
+            return dist.irecv(tensor, src=src)
+        return pair.group.recv([tensor], int(self.members[src] > self.slot), self.epoch)
 
-    def _linked(self, peer: int):
+    def _linked(self, rank: int) -> Pair | None:
         if self.store is None:
             return None
-        if peer not in self.connected:
+        peer = self.members[rank]
+        if not self._connected(peer):
+            connected = sorted(self.members.index(s) for s in self.pairs if self._connected(s))
             raise RuntimeError(
-                f"routed p2p between ranks {self.rank} and {peer}: the pair was not connected (connected: "
-                f"{sorted(self.connected)}); every pair a plan uses must be connected first (PeerChannel.connect)"
+                f"routed p2p between ranks {self.members.index(self.slot)} and {rank}: the pair was not connected "
+                f"(connected: {connected}); every pair a plan uses must be connected first (PeerChannel.connect)"
             )
-        return self.groups[peer]
+        return self.pairs[peer]
 
 
 def _pair_devices() -> list:
@@ -224,11 +285,15 @@ class RecycleGrid:
     stage_groups: dict[int, object] = field(default_factory=dict)
     pipe_groups: dict[int, object] = field(default_factory=dict)
     links: PairLinks | None = None
-    """Routed p2p's pair groups in this epoch's world."""
+    """Routed p2p's pair groups, kept from the engine's previous grid."""
 
     @classmethod
-    def build(cls, topo, membership: Membership, slot: int, timeout: float) -> RecycleGrid:
-        """Create this epoch's groups; every member calls it in the same order."""
+    def build(
+        cls, topo, membership: Membership, slot: int, timeout: float, links: PairLinks | None = None
+    ) -> RecycleGrid:
+        """Create this epoch's groups; every member calls it in the same order. ``links``: the
+        engine's previous grid's (its pairs whose peers stay members are kept), or None for a new
+        engine's."""
         grid = cls(topo, membership, slot, timeout)
         for stage in range(grid.pipe_parallel_size):
             ranks = [grid.rank_of(w) for w in grid.live_workers(stage)]
@@ -237,7 +302,8 @@ class RecycleGrid:
             stages = [(pipeline, s) for s in range(grid.pipe_parallel_size)]
             if all(grid.is_live(w) for w in stages):
                 grid.pipe_groups[pipeline] = new_group([grid.rank_of(w) for w in stages], timeout)
-        grid.links = PairLinks.of_world(timeout)
+        grid.links = links if links is not None else PairLinks.create()
+        grid.links.enter(membership, slot)
         return grid
 
     # ---- the logical topology ------------------------------------------------------------

@@ -318,7 +318,9 @@ class RankRuntime:
         self.agent.enter(membership, announced, GROUP_TIMEOUT_SECONDS, copied=by_recovery)
         self._enter_phase(Phase.BUILDING)
         rebuild_world(self.agent.store, membership, self.engine.slot, GROUP_TIMEOUT_SECONDS)
-        grid = RecycleGrid.build(self.engine.module._topo, membership, self.engine.slot, GROUP_TIMEOUT_SECONDS)
+        grid = RecycleGrid.build(
+            self.engine.module._topo, membership, self.engine.slot, GROUP_TIMEOUT_SECONDS, self.engine.grid.links
+        )
         self.engine.install_grid(grid)
         rejoin.transfer_state(self.engine, grid, decision.holders())
 

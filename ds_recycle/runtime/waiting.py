@@ -7,8 +7,10 @@ and ranks that are not talking to the dead peer never notice it (docs/design.md 
 
 - collectives are polled with ``work.is_completed()``;
 - a point-to-point ``wait()`` only completes once called, so it runs in a helper thread while the
-  caller polls; after a failure that thread is abandoned (it may stay blocked until the group's
-  finite timeout) and a fresh one serves the next op;
+  caller polls; after a failure that thread is abandoned (a kept pair's op never times out: it stays
+  blocked, runtime/groups.py) and a fresh one serves the next op;
+- a wait that sees no failure and no completion for :data:`WAIT_BOUND_SECONDS` ends as a failure,
+  the backstop that gloo's group timeout was before pair groups stopped timing out;
 - a gloo error on any op is a failure too: the caller stops at once and waits for the coordinator
   to say who failed;
 - a blocking call that ReCycle does not own (DeepSpeed's ``save_checkpoint``, whose barriers and
@@ -31,6 +33,8 @@ from ds_recycle.runtime import protocol as proto
 
 SPIN_SECONDS = 0.0005
 POLL_SECONDS = 0.001
+WAIT_BOUND_SECONDS = 120.0
+"""The longest wait for one op when no failure is announced (as the groups' own timeout)."""
 
 
 class PeerFailure(RuntimeError):
@@ -157,10 +161,12 @@ class Waiter:
         self.check(what)
         try:
             work = start()
-            spins = 0
+            spins, bound = 0, time.monotonic() + WAIT_BOUND_SECONDS
             while not work.is_completed():
                 if self.failed.is_set():
                     raise PeerFailure(f"a failure was announced during {what}")
+                if time.monotonic() > bound:
+                    raise _unbounded(what)
                 spins += 1
                 time.sleep(SPIN_SECONDS if spins < 200 else POLL_SECONDS)
             work.wait()
@@ -179,12 +185,14 @@ class Waiter:
         done = threading.Event()
         outcome: list = []
         self._helper().put((work, done, outcome))
-        spins = 0
+        spins, bound = 0, time.monotonic() + WAIT_BOUND_SECONDS
         while not done.is_set():
-            if self.failed.is_set():
+            if self.failed.is_set() or time.monotonic() > bound:
                 exit_guard.abandoned(self._thread)  # it may stay blocked in this wait
                 self._requests = None
-                raise PeerFailure(f"a failure was announced during {what}")
+                if self.failed.is_set():
+                    raise PeerFailure(f"a failure was announced during {what}")
+                raise _unbounded(what)
             spins += 1
             done.wait(SPIN_SECONDS if spins < 200 else POLL_SECONDS)
         if outcome and outcome[0] is not None:
@@ -226,6 +234,10 @@ class Waiter:
             self._thread.start()
             self._requests = requests
         return self._requests
+
+
+def _unbounded(what: str) -> PeerFailure:
+    return PeerFailure(f"{what}: not done after {WAIT_BOUND_SECONDS:.0f} s, and no failure was announced")
 
 
 def _serve(requests: queue.Queue) -> None:

@@ -10,13 +10,15 @@ no group of it exists yet; at or after the iteration) and
 ``checkpoint`` (inside DeepSpeed's ``save_checkpoint`` after its first barrier, before this rank
 writes its files; the iteration is the one just finished).
 
-Traps come from the rank's command line (``SLOT:POINT:ITERATION``, see :meth:`Trap.parse`) or from
+Traps come from the rank's command line (``SLOT:POINT:ITERATION[:until-failure]``, see :meth:`Trap.parse`) or from
 a file the driver rewrites while the job runs (``out/trap<slot>``: ``POINT:ITERATION:TOKEN[:stay]``,
 re-read at every boundary by :meth:`FaultPlan.refresh`). A parked rank writes ``out/trapped<slot>``
 (a file trap: ``out/trapped<slot>.<TOKEN>``) and waits; each trap fires once. A rank parked at a
 command-line trap, or at a file trap marked ``stay``, stays parked when it is asked to leave
 (SIGTERM), so that the driver can kill a leaver before its boundary; at other file traps it stops
-parking and goes on to its boundary.
+parking and goes on to its boundary. A command-line trap marked ``until-failure`` also stops
+parking once the rank's failure watcher has raised its flag: it holds a rank back from an exchange
+(a joiner's state transfer) until another rank's failure is announced, whatever the timing.
 
 Only the given engine instance is changed: the wrappers shadow its instruction map and its
 ``allreduce_bucket``, ``aggregate_last_stage_loss`` and ``_save_checkpoint``, and a listener is
@@ -36,6 +38,7 @@ from typing import Any
 POINTS = ("F", "B", "W", "allreduce", "loss", "stepped", "recovery", "building", "checkpoint")
 AT_OR_AFTER = ("recovery", "building")
 """Points armed from their iteration on (they happen only when the membership changes)."""
+UNTIL_FAILURE = "until-failure"
 PARK_SECONDS = 120.0
 """A parked rank goes on by itself after this long (the driver's signal normally ends it first)."""
 
@@ -48,6 +51,8 @@ class Trap:
     """Names a file trap's ``trapped`` file; "" for a command-line trap."""
     release_on_leave: bool = False
     """A SIGTERM (the rank is asked to leave) ends the parking."""
+    until_failure: bool = False
+    """An announced failure (the rank's failure flag) ends the parking."""
 
     def __post_init__(self) -> None:
         if self.point not in POINTS:
@@ -55,9 +60,11 @@ class Trap:
 
     @classmethod
     def parse(cls, text: str) -> tuple[int, Trap]:
-        """``SLOT:POINT:ITERATION`` (a rank script's ``--trap``): the slot and its trap."""
-        slot, point, iteration = text.split(":")
-        return int(slot), cls(point, int(iteration))
+        """``SLOT:POINT:ITERATION[:until-failure]`` (a rank script's ``--trap``): the slot and its trap."""
+        slot, point, iteration, *mode = text.split(":")
+        if mode not in ([], [UNTIL_FAILURE]):
+            raise ValueError(f"a trap's mode must be {UNTIL_FAILURE!r} or absent, got {':'.join(mode)!r} in {text!r}")
+        return int(slot), cls(point, int(iteration), until_failure=bool(mode))
 
     @classmethod
     def read(cls, path: Path) -> Trap | None:
@@ -120,6 +127,8 @@ class FaultPlan:
         os.replace(partial, self.out / name)
         deadline = time.monotonic() + PARK_SECONDS
         while time.monotonic() < deadline and not (trap.release_on_leave and _leave_requested()):
+            if trap.until_failure and self.engine.waiter.failed.is_set():
+                return
             time.sleep(0.005)
 
     def _install(self, points: set[str]) -> None:

@@ -10,11 +10,13 @@ store operation of the world, gloo's own included, goes through :class:`CountedS
 ``torch.distributed.Store`` that counts what it passes to the job's TCPStore; the harness reports
 the operations and wall time of epoch 2.
 
-``connect="pairs"`` is the runtime: each survivor connects the peers of epoch 2's plan (the
-heuristic's plan for the lost worker, lowered: the workers its stream sends to or receives from, and
-those of the optimizer step, :func:`~ds_recycle.engine.staggered_step.step_peers`), one two-rank
-group each. ``connect="all"``, for comparison, is what the runtime did until session 33: one
-all-to-all over the world, which connects every pair.
+``connect="kept"`` is the runtime: epoch 1 connects the peers of the fault-free plan, and each
+survivor then connects the peers of epoch 2's plan (the heuristic's plan for the lost worker,
+lowered: the workers its stream sends to or receives from, and those of the optimizer step,
+:func:`~ds_recycle.engine.staggered_step.step_peers`), one two-rank group each, keeping the pairs
+of epoch 1 whose peers survive. ``connect="pairs"`` is what the runtime did until session 39: the
+same pairs, each epoch's made afresh. ``connect="all"`` is what it did until session 33: one
+all-to-all over each world, which connects every pair.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ class CountedClones:
         return self.made[-1]
 
 
-CONNECTS = ("all", "pairs")
+CONNECTS = ("all", "pairs", "kept")
 MICRO_BATCHES_PER_STAGE = 2
 
 
@@ -98,9 +100,10 @@ def _barrier(store: dist.Store, name: str, count: int) -> None:
         time.sleep(0.01)
 
 
-def plan_peers(pp: int, dp: int, victim: int) -> dict[int, list[int]]:
+def plan_peers(pp: int, dp: int, victim: int | None) -> dict[int, list[int]]:
     """By surviving slot (slot = stage * D + pipeline, DeepSpeed's pipe-data topology): the slots
-    it exchanges messages with in the epoch without ``victim``, as the runtime connects them."""
+    it exchanges messages with in the epoch without ``victim`` (None: with every slot), as the
+    runtime connects them."""
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
     from ds_recycle.engine.staggered_step import step_peers
@@ -110,8 +113,8 @@ def plan_peers(pp: int, dp: int, victim: int) -> dict[int, list[int]]:
 
     topo = PipeDataParallelTopology(num_pp=pp, num_dp=dp)
     membership = Membership(2, tuple(s for s in range(pp * dp) if s != victim), 1)
-    lost = (victim % dp, victim // dp)
-    streams = lower(plan_heuristic(dp, pp, MICRO_BATCHES_PER_STAGE * pp, [lost]))
+    lost = [] if victim is None else [(victim % dp, victim // dp)]
+    streams = lower(plan_heuristic(dp, pp, MICRO_BATCHES_PER_STAGE * pp, lost))
     peers = {}
     for slot in membership.members:
         grid = RecycleGrid(topo, membership, slot, TIMEOUT_SECONDS)
@@ -120,7 +123,9 @@ def plan_peers(pp: int, dp: int, victim: int) -> dict[int, list[int]]:
     return peers
 
 
-def _rank(slot: int, pp: int, dp: int, port: int, connect: str, peers: list[int], results: mp.Queue) -> None:
+def _rank(
+    slot: int, pp: int, dp: int, port: int, connect: str, peers: tuple[list[int], list[int]], results: mp.Queue
+) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
@@ -134,23 +139,24 @@ def _rank(slot: int, pp: int, dp: int, port: int, connect: str, peers: list[int]
     topo = PipeDataParallelTopology(num_pp=pp, num_dp=dp)
     everyone, victim = tuple(range(pp * dp)), pp * dp - 1
 
-    def build(membership: Membership, connect: str) -> None:
+    def build(membership: Membership, peers: list[int], links=None):
         rebuild_world(store, membership, slot, TIMEOUT_SECONDS)
         if connect == "all":
             size = dist.get_world_size()
             dist.all_to_all_single(torch.empty(size), torch.zeros(size))
-        grid = RecycleGrid.build(topo, membership, slot, TIMEOUT_SECONDS)
-        if connect == "pairs":
-            grid.links.connect([membership.members.index(peer) for peer in peers], Waiter())
+        grid = RecycleGrid.build(topo, membership, slot, TIMEOUT_SECONDS, links)
+        if connect != "all":
+            grid.links.connect([membership.members.index(peer) for peer in peers], Waiter(), membership.iteration)
         dist.all_reduce(torch.ones(1), group=grid.stage_groups[grid.worker[1]])
+        return grid.links
 
-    build(Membership(1, everyone, 0), "all")
+    links = build(Membership(1, everyone, 0), peers[0])
     _barrier(root, "built/1", len(everyone))
     if slot == victim:
         _report(results, None)
     COUNTS.clear()
     began = time.monotonic()
-    build(Membership(2, everyone[:-1], 1), connect)
+    build(Membership(2, everyone[:-1], 1), peers[1], links if connect == "kept" else None)
     elapsed = time.monotonic() - began
     _barrier(root, "built/2", len(everyone) - 1)
     _report(results, (elapsed, {op: n for op, n in COUNTS.items() if op != "bytes_read"}))
@@ -166,16 +172,17 @@ def _report(results: mp.Queue, row: tuple | None) -> None:
 
 def measure_rebuild(pp: int, dp: int, connect: str = "all") -> RebuildCost:
     """Epoch 2's store operations and time on P x D real gloo ranks, one of them gone; ``connect``:
-    the pairs epoch 2's plan uses (what the runtime does) or every pair (see the module doc)."""
+    the pairs the plans use, kept (what the runtime does) or made afresh, or every pair (see the
+    module doc)."""
     if connect not in CONNECTS:
         raise ValueError(f"connect must be one of {CONNECTS}, got {connect!r}")
     server = serve("127.0.0.1", 0)
     ctx = spawn_context()
     results: mp.Queue = ctx.Queue()
     victim = pp * dp - 1
-    peers = plan_peers(pp, dp, victim)
+    before, after = plan_peers(pp, dp, None), plan_peers(pp, dp, victim)
     procs = [
-        ctx.Process(target=_rank, args=(s, pp, dp, server.port, connect, peers.get(s, []), results))
+        ctx.Process(target=_rank, args=(s, pp, dp, server.port, connect, (before[s], after.get(s, [])), results))
         for s in range(pp * dp)
     ]
     for proc in procs:

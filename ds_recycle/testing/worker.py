@@ -13,7 +13,7 @@ It trains the tiny GPT with ReCycle until ``--steps`` iterations are done and le
 
 Options that the driver sets:
 
-- ``--trap SLOT:POINT:ITERATION``: the first process of the slot parks there
+- ``--trap SLOT:POINT:ITERATION[:until-failure]``: the first process of the slot parks there
   (:mod:`ds_recycle.testing.faults`);
 - ``--trap-files``: traps are read from ``trap<slot>`` at every boundary, in any incarnation (a
   parked rank that gets SIGTERM, a leave, stops parking and finishes its iteration unless the trap
@@ -45,7 +45,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
     parser.add_argument("--config", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--trap", action="append", default=[], help="SLOT:POINT:ITERATION: park at POINT")
+    parser.add_argument(
+        "--trap", action="append", default=[], help="SLOT:POINT:ITERATION[:until-failure]: park at POINT"
+    )
     parser.add_argument("--trap-files", action="store_true", help="traps from out/trap<slot>, in any incarnation")
     parser.add_argument("--gate", action="store_true", help="a respawned process waits while out/gate<slot> exists")
     parser.add_argument("--timings", action="store_true", help="record every call's times; save after every F")

@@ -1,6 +1,7 @@
 """Every benchmark runs at its smoke size, so that a bench that breaks fails the suite (their full
 sizes are run by hand; their outputs sit next to them in bench/). The ones that start real jobs are
-marked ``multiprocess``."""
+marked ``multiprocess``; those among them whose smoke runs check no timing are also marked
+``beside``: the suite runs them in the pure tests' lane (scripts/test.sh)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ MULTIPROCESS = {
     "measured_costs.py",
     "control_plane.py",
 }
+BESIDE = {"engine_vs_stock.py", "failures.py", "evaluation.py", "measured_costs.py", "control_plane.py"}
+"""Their smoke runs only check that they run to the end (the others have a deadline to meet)."""
 TIMEOUT = 300
 
 
@@ -57,7 +60,9 @@ def test_bench_runs_at_smoke_size(script):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("script", sorted(MULTIPROCESS))
+@pytest.mark.parametrize(
+    "script", [pytest.param(s, marks=[pytest.mark.beside] if s in BESIDE else []) for s in sorted(MULTIPROCESS)]
+)
 def test_bench_that_starts_jobs_runs_at_smoke_size(script):
     run_bench(script)
 

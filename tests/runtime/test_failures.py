@@ -309,18 +309,20 @@ def test_a_member_killed_before_its_pair_groups_exist_stops_no_survivor(tmp_path
 def test_a_joiner_gives_up_when_a_member_dies_before_its_state_arrives(tmp_path, tmp_path_factory):
     """pp=2 x dp=2: worker (0, 1) is killed during F of iteration 3. Once its respawn is admitted,
     worker (1, 0) parks on entering the join's epoch (every member counted in, no group of it yet)
-    and is killed there. The joiner, connecting that epoch's world, has no iteration to restart
-    from: it gives up its join at once (exit 77; before, it waited in the connection for the group
+    and is killed there. Worker (1, 1), the joiner's state source, parks there too until the
+    failure is announced (else the copy could end first). The joiner, waiting for its state, has no
+    iteration to restart from: it gives up its join at once (exit 77; before, it waited in the connection for the group
     timeout, 120 s, and crashed) and its respawn asks again. The survivors recover without both, both
     re-join, and the job ends equal to a fault-free run. With fixed costs (no profile), the plan of
     each failure set was made ahead in the background (``recycle.prefetch_plans``): both changes
     find it in the cache."""
     pp, dp = 2, 2
     reference = fault_free(tmp_path_factory, pp, dp, STEPS, "adam")
-    first, building = slot(dp, 0, 1), slot(dp, 1, 0)
+    first, building, source = slot(dp, 0, 1), slot(dp, 1, 0), slot(dp, 1, 1)
     config = job_config()
     config["recycle"]["profile"] = False
-    job = Job(tmp_path, pp, dp, STEPS, config, "adam", traps=[f"{first}:F:3", f"{building}:building:4"])
+    traps = [f"{first}:F:3", f"{building}:building:4", f"{source}:building:4:until-failure"]
+    job = Job(tmp_path, pp, dp, STEPS, config, "adam", traps=traps)
     job.start()
     try:
         job.signal_when_trapped(first)

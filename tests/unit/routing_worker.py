@@ -25,6 +25,7 @@ from ds_recycle.engine.routing import (
     PeerChannel,
 )
 from ds_recycle.runtime.groups import PairLinks
+from ds_recycle.runtime.protocol import Membership
 from ds_recycle.runtime.waiting import PeerFailure
 
 FIRST, LAST = (0, 0), (0, 1)
@@ -33,7 +34,8 @@ FIRST, LAST = (0, 0), (0, 1)
 class OnePipeline:
     def __init__(self, stage: int) -> None:
         self.worker = (0, stage)
-        self.links = PairLinks.of_world(timeout=60.0)
+        self.links = PairLinks.create()
+        self.links.enter(Membership(0, (0, 1), 0), stage)
 
     def stage_to_global(self, stage_id: int, data: int) -> int:
         assert data == 0
@@ -109,14 +111,42 @@ def absent_peer(channel: PeerChannel, stage: int, iterations: int) -> list[float
     threading.Timer(ABSENT_FLAG_SECONDS, channel.waiter.failed.set).start()
     began = time.monotonic()
     try:
-        channel.connect({LAST})
+        channel.connect({LAST}, 0)
     except PeerFailure as failure:
         return [time.monotonic() - began, str(failure)]
     return [time.monotonic() - began, "connected"]
 
 
+def kept_pair(channel: PeerChannel, stage: int, iterations: int) -> list[float]:
+    """Epoch 0 ends in a failure that leaves the pair with an abandoned send and an abandoned
+    receive: the first stage sends an activation, which the last stage (stopped by the failure)
+    never receives, and waits for its gradient until the failure flag stops it. Both enter epoch 1
+    with the same members: the pair's group is kept and carries epoch 1's messages, none of which
+    meets an abandoned one. Then the first stage enters an epoch without the last: the pair is
+    forgotten."""
+    links = channel.grid.links
+    group = links.pairs[1 - stage].group
+    if stage == 0:
+        channel.send(activation(7, 7), LAST, ACTIVATION, 7, 7)
+        threading.Timer(ABSENT_FLAG_SECONDS, channel.waiter.failed.set).start()
+        try:
+            channel.recv_into(gradient_buffer(), LAST, GRADIENT, 7, 7)
+        except PeerFailure:
+            pass
+    dist.barrier()  # the recovery's agreement, in this test
+    links.enter(Membership(1, (0, 1), 1), stage)
+    epoch1 = PeerChannel(channel.grid, torch.device("cpu"))
+    epoch1.connect({LAST if stage == 0 else FIRST}, 1)
+    received = agreed_order(epoch1, stage, iterations)
+    kept = links.pairs[1 - stage].group is group
+    dist.barrier()
+    if stage == 0:
+        links.enter(Membership(2, (0,), 2), stage)
+    return [*received, float(kept), float(len(links.pairs))]
+
+
 ABSENT_FLAG_SECONDS = 1.0
-SCENARIOS = {"agreed_order": agreed_order, "swapped": swapped, "absent_peer": absent_peer}
+SCENARIOS = {"agreed_order": agreed_order, "swapped": swapped, "absent_peer": absent_peer, "kept_pair": kept_pair}
 
 
 def main() -> None:
@@ -129,7 +159,7 @@ def main() -> None:
     dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
     channel = PeerChannel(OnePipeline(rank), torch.device("cpu"))
     if args.scenario != "absent_peer":
-        channel.connect({LAST if rank == 0 else FIRST})
+        channel.connect({LAST if rank == 0 else FIRST}, 0)
     result: dict = {"checked": channel.checked}
     scenario = SCENARIOS[args.scenario]
     try:

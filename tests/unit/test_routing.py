@@ -1,6 +1,7 @@
-"""Routed p2p without tags between real gloo processes: a pair's messages match in the order they
-were posted, a header gives the first activation's shapes, and a pair whose two sides disagree on
-the order fails with an error that names both messages."""
+"""Routed p2p between real gloo processes: a pair's messages match in the order they were posted, a
+header gives the first activation's shapes, a pair whose two sides disagree on the order fails with
+an error that names both messages, and a pair's group kept into the next epoch carries its messages
+past the ones a failure abandoned."""
 
 from __future__ import annotations
 
@@ -63,10 +64,18 @@ def test_a_checked_channel_checks_every_message(tmp_path):
 
 def test_connecting_a_peer_that_never_connects_stops_at_the_failure_flag(tmp_path):
     """A pair connects in gloo's worker thread (a one-element all-reduce on its own group), so a
-    survivor waiting for a dead peer's connection stops when the failure is flagged, not at the
-    group timeout (60 s here)."""
+    survivor waiting for a dead peer's connection stops when the failure is flagged (a pair's group
+    never times out)."""
     first, last = run_pair(tmp_path, "absent_peer", checked=False)
     waited, outcome = first["received"]
-    assert outcome == "a failure was announced during connecting rank 0 to rank 1"
+    assert outcome == "a failure was announced during connecting slot 0 to slot 1"
     assert 0.9 < waited < 5.0
     assert last["received"] == []
+
+
+def test_a_kept_pair_carries_the_next_epochs_messages_past_the_abandoned_ones(tmp_path):
+    first, last = run_pair(tmp_path, "kept_pair", checked=False)
+    # epoch 1's messages, exactly as on a fresh pair; then: the group was kept, and the pairs left
+    # after the first stage entered an epoch without the last (none) or not (one)
+    assert first["received"] == [-2.0, -1.0, 200.0, 400.0, 500.0, -2.0, -1.0, 201.0, 401.0, 501.0, 1.0, 0.0]
+    assert last["received"] == [1.0, 0, 1, 0.0, 0, 0, 100.0, 300.0] + [1.0, 0, 1, 0.0, 0, 0, 101.0, 301.0, 1.0, 1.0]

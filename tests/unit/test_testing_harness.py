@@ -79,6 +79,9 @@ def test_launch_events_reads_only_complete_lines(tmp_path):
 
 def test_traps_from_the_command_line_and_from_files(tmp_path):
     assert Trap.parse("3:allreduce:7") == (3, Trap("allreduce", 7))
+    assert Trap.parse("2:building:4:until-failure") == (2, Trap("building", 4, until_failure=True))
+    with pytest.raises(ValueError, match="until-failure"):
+        Trap.parse("2:building:4:until-fail")
     assert not Trap("F", 7).release_on_leave
     assert Trap("recovery", 7).armed("recovery", 9) and not Trap("F", 7).armed("F", 8)
     path = tmp_path / "trap3"
