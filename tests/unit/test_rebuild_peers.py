@@ -23,6 +23,16 @@ def test_plan_peers_are_symmetric_and_leave_out_the_lost_worker(pp, dp):
         assert len(others) <= 2 * (pp - 1) + 2 * dp
 
 
+@pytest.mark.parametrize("pp,dp", [(2, 2), (4, 8)])
+def test_the_fault_free_plans_peers_are_symmetric_and_every_worker_has_some(pp, dp):
+    peers = plan_peers(pp, dp, None)
+    assert sorted(peers) == list(range(pp * dp))
+    for slot, others in peers.items():
+        assert others and slot not in others
+        for other in others:
+            assert slot in peers[other], (slot, other)
+
+
 def test_an_unknown_connect_mode_is_named():
-    with pytest.raises(ValueError, match=r"connect must be one of \('all', 'pairs'\), got 'some'"):
+    with pytest.raises(ValueError, match=r"connect must be one of \('all', 'pairs', 'kept'\), got 'some'"):
         measure_rebuild(2, 2, "some")
