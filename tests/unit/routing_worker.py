@@ -118,14 +118,35 @@ def absent_peer(channel: PeerChannel, stage: int, iterations: int) -> list[float
 
 
 def kept_pair(channel: PeerChannel, stage: int, iterations: int) -> list[float]:
-    """Epoch 0 ends in a failure that leaves the pair with an abandoned send and an abandoned
-    receive: the first stage sends an activation, which the last stage (stopped by the failure)
-    never receives, and waits for its gradient until the failure flag stops it. Both enter epoch 1
-    with the same members: the pair's group is kept and carries epoch 1's messages, none of which
-    meets an abandoned one. Then the first stage enters an epoch without the last: the pair is
-    forgotten."""
+    """The pair is connected at iteration 0 of epoch 0, and a failure cuts that iteration short
+    (no one finished it): epoch 1 runs from iteration 0, so both workers forget the pair and make a
+    new group. Another failure, after both finished iteration 0, cuts iteration 1 short: epoch 2
+    runs from iteration 1, so the pair (connected at iteration 0) is kept and carries epoch 2's
+    messages past the ones the failure abandoned. Each failure leaves an abandoned send and an
+    abandoned receive: the first stage sends an activation, which the last stage (stopped by the
+    failure) never receives, and waits for its gradient until the failure flag stops it. Last, the
+    first stage enters an epoch without the last: the pair is forgotten."""
     links = channel.grid.links
-    group = links.pairs[1 - stage].group
+    peer = FIRST if stage else LAST
+    made = links.pairs[1 - stage].group
+    received: list[float] = []
+    for epoch, iteration in ((1, 0), (2, 1)):
+        _abandon(channel, stage)
+        dist.barrier()  # the recovery's agreement, in this test
+        links.enter(Membership(epoch, (0, 1), iteration), stage)
+        channel = PeerChannel(channel.grid, torch.device("cpu"))
+        channel.connect({peer}, iteration)
+        received += agreed_order(channel, stage, iterations)
+        kept = links.pairs[1 - stage].group is made
+        received.append(float(kept))
+        made = links.pairs[1 - stage].group
+    dist.barrier()
+    if stage == 0:
+        links.enter(Membership(3, (0,), 2), stage)
+    return [*received, float(len(links.pairs))]
+
+
+def _abandon(channel: PeerChannel, stage: int) -> None:
     if stage == 0:
         channel.send(activation(7, 7), LAST, ACTIVATION, 7, 7)
         threading.Timer(ABSENT_FLAG_SECONDS, channel.waiter.failed.set).start()
@@ -133,16 +154,6 @@ def kept_pair(channel: PeerChannel, stage: int, iterations: int) -> list[float]:
             channel.recv_into(gradient_buffer(), LAST, GRADIENT, 7, 7)
         except PeerFailure:
             pass
-    dist.barrier()  # the recovery's agreement, in this test
-    links.enter(Membership(1, (0, 1), 1), stage)
-    epoch1 = PeerChannel(channel.grid, torch.device("cpu"))
-    epoch1.connect({LAST if stage == 0 else FIRST}, 1)
-    received = agreed_order(epoch1, stage, iterations)
-    kept = links.pairs[1 - stage].group is group
-    dist.barrier()
-    if stage == 0:
-        links.enter(Membership(2, (0,), 2), stage)
-    return [*received, float(kept), float(len(links.pairs))]
 
 
 ABSENT_FLAG_SECONDS = 1.0

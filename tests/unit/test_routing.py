@@ -73,9 +73,12 @@ def test_connecting_a_peer_that_never_connects_stops_at_the_failure_flag(tmp_pat
     assert last["received"] == []
 
 
-def test_a_kept_pair_carries_the_next_epochs_messages_past_the_abandoned_ones(tmp_path):
+def test_a_pair_cut_short_is_made_again_and_a_kept_one_carries_the_next_epochs_messages(tmp_path):
     first, last = run_pair(tmp_path, "kept_pair", checked=False)
-    # epoch 1's messages, exactly as on a fresh pair; then: the group was kept, and the pairs left
+    # per epoch: its messages, exactly as on a fresh pair, then whether the group of the epoch
+    # before carried them (epoch 1: no, made again; epoch 2: yes, kept); last, the pairs left
     # after the first stage entered an epoch without the last (none) or not (one)
-    assert first["received"] == [-2.0, -1.0, 200.0, 400.0, 500.0, -2.0, -1.0, 201.0, 401.0, 501.0, 1.0, 0.0]
-    assert last["received"] == [1.0, 0, 1, 0.0, 0, 0, 100.0, 300.0] + [1.0, 0, 1, 0.0, 0, 0, 101.0, 301.0, 1.0, 1.0]
+    first_epoch = [-2.0, -1.0, 200.0, 400.0, 500.0, -2.0, -1.0, 201.0, 401.0, 501.0]
+    last_epoch = [1.0, 0, 1, 0.0, 0, 0, 100.0, 300.0] + [1.0, 0, 1, 0.0, 0, 0, 101.0, 301.0]
+    assert first["received"] == first_epoch + [0.0] + first_epoch + [1.0] + [0.0]
+    assert last["received"] == last_epoch + [0.0] + last_epoch + [1.0] + [1.0]
