@@ -46,9 +46,11 @@ from torch.distributed import distributed_c10d as c10d
 from ds_recycle.planner.plan import Worker
 from ds_recycle.runtime import protocol as proto
 from ds_recycle.runtime.protocol import Membership
+from ds_recycle.runtime.waiting import WAIT_BOUND_SECONDS
 
-GROUP_TIMEOUT_SECONDS = 120.0
-"""Every group's op timeout: a backstop only, failure detection does not wait for it."""
+GROUP_TIMEOUT_SECONDS = WAIT_BOUND_SECONDS
+"""Every group's op timeout but the pairs': a backstop only, failure detection does not wait for
+it (the same bound as a :class:`~ds_recycle.runtime.waiting.Waiter`'s wait)."""
 
 
 def bury(objects) -> None:

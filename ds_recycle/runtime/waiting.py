@@ -34,7 +34,8 @@ from ds_recycle.runtime import protocol as proto
 SPIN_SECONDS = 0.0005
 POLL_SECONDS = 0.001
 WAIT_BOUND_SECONDS = 120.0
-"""The longest wait for one op when no failure is announced (as the groups' own timeout)."""
+"""The longest wait for one op when no failure is announced; the process groups' timeout too
+(``runtime/groups.py``), but the pairs', which never time out."""
 
 
 class PeerFailure(RuntimeError):
