@@ -36,7 +36,7 @@ import contextlib
 import ctypes
 import datetime
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -45,7 +45,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from ds_recycle.planner.plan import Worker
 from ds_recycle.runtime import protocol as proto
-from ds_recycle.runtime.protocol import Membership
+from ds_recycle.runtime.protocol import Decision, GroupRoles, GroupState, Membership
 from ds_recycle.runtime.waiting import WAIT_BOUND_SECONDS
 
 GROUP_TIMEOUT_SECONDS = WAIT_BOUND_SECONDS
@@ -85,15 +85,21 @@ def new_group(ranks: list[int], timeout: float):
         return dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout))
 
 
-def rebuild_world(store, membership: Membership, slot: int, timeout: float = GROUP_TIMEOUT_SECONDS) -> None:
+def rebuild_world(
+    store, membership: Membership, slot: int, timeout: float = GROUP_TIMEOUT_SECONDS, kept: Iterable[KeptGroup] = ()
+) -> None:
     """Leave the current world (if any) and join the world of ``membership`` on its own prefix.
-    Returns at once: the world connects lazily.
+    Returns at once: the world connects lazily. ``kept``: groups of the current world that the new
+    one keeps (:meth:`RecycleGrid.keep`): they are taken out of torch's registry before it leaves
+    the world, which would shut them down, and :meth:`RecycleGrid.build` registers them again.
 
     The world gets its own connection to the store (``store.clone()``): gloo looks up a peer's
     address in its own threads, and a lookup of a dead peer's address blocks its connection until
     the group timeout; on the caller's connection it would block the membership protocol too."""
     if dist.is_initialized():  # the previous epoch's, or a joiner's fake world
         bury(c10d._world.pg_map.keys())
+        for group in kept:
+            group.withdraw()
         dist.destroy_process_group()
     global _leaving_at_exit
     if not _leaving_at_exit:
@@ -275,6 +281,71 @@ def _pair_devices() -> list:
     return [dist.ProcessGroupGloo.create_default_device(lazy_init=True)]
 
 
+def stage_role(stage: int) -> str:
+    return f"stage{stage}"
+
+
+def pipe_role(pipeline: int) -> str:
+    return f"pipe{pipeline}"
+
+
+def group_roles(topo) -> GroupRoles:
+    """The roles of a slot's groups in DeepSpeed's pipe-data topology ``topo``: its stage's
+    data-parallel group and its pipeline's pipe group."""
+
+    def roles(slot: int) -> tuple[str, ...]:
+        coord = topo.get_coord(slot)
+        return stage_role(coord.pipe), pipe_role(coord.data)
+
+    return roles
+
+
+KEPT_NAME = "recycle_kept"
+"""The prefix of the names under which a kept group is registered in later worlds (a name torch
+gives a new group is a counter that starts again in every world)."""
+
+
+@dataclass
+class KeptGroup:
+    """A stage or pipe group carried from one world into the next: torch's registry entries of the
+    group and the slots of its ranks, by which it is registered again with the new world's ranks."""
+
+    role: str
+    group: object
+    slots: tuple[int, ...]
+    """The members' slots, by group rank."""
+    made_in: int
+    registry: dict[str, object] = field(default_factory=dict)
+    """The group's entries in torch's tables (``pg_map``, ``pg_backend_config``)."""
+
+    def withdraw(self) -> None:
+        """Take the group out of torch's registry of the current world."""
+        world = c10d._world
+        self.registry = {
+            "pg_map": world.pg_map.pop(self.group),
+            "pg_backend_config": world.pg_backend_config.pop(self.group, None),
+        }
+        world.pg_names.pop(self.group, None)
+        world.pg_group_ranks.pop(self.group, None)
+        world.pg_coalesce_state.pop(self.group, None)
+        tag = world.pg_to_tag.pop(self.group, None)
+        if tag is not None and self.group in world.tags_to_pg.get(tag, []):
+            world.tags_to_pg[tag].remove(self.group)
+
+    def enlist(self, membership: Membership) -> object:
+        """Register the group in the current world (``membership``'s), its ranks by their slots."""
+        world = c10d._world
+        name = f"{KEPT_NAME}_{self.role}_{self.made_in}"
+        world.pg_map[self.group] = self.registry["pg_map"]
+        if self.registry["pg_backend_config"] is not None:
+            world.pg_backend_config[self.group] = self.registry["pg_backend_config"]
+        world.pg_names[self.group] = name
+        world.pg_group_ranks[self.group] = {membership.members.index(s): i for i, s in enumerate(self.slots)}
+        world.pg_to_tag[self.group] = f"ptd:{name}"
+        world.tags_to_pg.setdefault(f"ptd:{name}", []).append(self.group)
+        return self.group
+
+
 @dataclass
 class RecycleGrid:
     """The grid of one epoch. Build it with :meth:`build` on every member, in the same epoch."""
@@ -288,25 +359,87 @@ class RecycleGrid:
     pipe_groups: dict[int, object] = field(default_factory=dict)
     links: PairLinks | None = None
     """Routed p2p's pair groups, kept from the engine's previous grid."""
+    made_in: dict[str, int] = field(default_factory=dict)
+    """By role (:func:`group_roles`) of this worker: the epoch in which its group was made."""
 
     @classmethod
     def build(
-        cls, topo, membership: Membership, slot: int, timeout: float, links: PairLinks | None = None
+        cls,
+        topo,
+        membership: Membership,
+        slot: int,
+        timeout: float,
+        links: PairLinks | None = None,
+        kept: dict[str, KeptGroup] | None = None,
+        remade: tuple[str, ...] | None = None,
     ) -> RecycleGrid:
         """Create this epoch's groups; every member calls it in the same order. ``links``: the
         engine's previous grid's (its pairs whose peers stay members are kept), or None for a new
-        engine's."""
+        engine's. ``remade``: the roles whose groups the decision that made the epoch makes afresh
+        (None: all); every other role's group is kept by its members (``kept``, from
+        :meth:`keep`), and every member makes the same new groups in the same order."""
         grid = cls(topo, membership, slot, timeout)
         for stage in range(grid.pipe_parallel_size):
-            ranks = [grid.rank_of(w) for w in grid.live_workers(stage)]
-            grid.stage_groups[stage] = new_group(ranks, timeout)
+            workers = grid.live_workers(stage)
+            grid.stage_groups[stage] = grid._group(stage_role(stage), workers, kept or {}, remade)
         for pipeline in range(grid.data_parallel_size):
             stages = [(pipeline, s) for s in range(grid.pipe_parallel_size)]
             if all(grid.is_live(w) for w in stages):
-                grid.pipe_groups[pipeline] = new_group([grid.rank_of(w) for w in stages], timeout)
+                grid.pipe_groups[pipeline] = grid._group(pipe_role(pipeline), stages, kept or {}, remade)
         grid.links = links if links is not None else PairLinks.create()
         grid.links.enter(membership, slot)
         return grid
+
+    def _group(self, role: str, workers: list[Worker], kept: dict[str, KeptGroup], remade: tuple[str, ...] | None):
+        slots = tuple(self.slot_of(w) for w in workers)
+        if remade is None or role in remade:
+            self.made_in[role] = self.membership.epoch
+            return new_group([self.rank_of(w) for w in workers], self.timeout)
+        if self.slot not in slots:
+            return dist.GroupMember.NON_GROUP_MEMBER
+        if role not in kept or kept[role].slots != slots:
+            raise RuntimeError(
+                f"slot {self.slot}: epoch {self.membership.epoch} keeps the group of {role} (slots {list(slots)}), "
+                f"which this worker does not hold: the decision that made the epoch should have remade it"
+            )
+        self.made_in[role] = kept[role].made_in
+        return kept[role].enlist(self.membership)
+
+    def keep(self, decision: Decision, slot: int) -> dict[str, KeptGroup]:
+        """The groups of this worker that the epoch ``decision`` makes keeps: every role of this
+        worker's that the decision does not remake, when this grid is of the decision's epoch, this
+        process still holds ``slot``, and its groups are gloo's."""
+        if decision.remade is None or slot != self.slot or self.membership.epoch != decision.epoch:
+            return {}
+        if not dist.is_initialized() or dist.get_backend() != dist.Backend.GLOO:
+            return {}
+        return {
+            role: KeptGroup(role, group, slots, self.made_in[role])
+            for role, (group, slots) in self._own_groups().items()
+            if role not in decision.remade
+        }
+
+    def group_states(self) -> dict[str, GroupState]:
+        """By role, each of this worker's groups: the epoch it was made in and the collectives
+        posted on it so far (the survivors of a failure keep a group only where these agree)."""
+        return {
+            role: (self.made_in[role], group._get_sequence_number_for_group())
+            for role, (group, _) in self._own_groups().items()
+        }
+
+    def _own_groups(self) -> dict[str, tuple[object, tuple[int, ...]]]:
+        pipeline, stage = self.worker
+        own = {stage_role(stage): (self.stage_groups.get(stage), self.live_workers(stage))}
+        if pipeline in self.pipe_groups:
+            own[pipe_role(pipeline)] = (
+                self.pipe_groups[pipeline],
+                [(pipeline, s) for s in range(self.pipe_parallel_size)],
+            )
+        return {
+            role: (group, tuple(self.slot_of(w) for w in workers))
+            for role, (group, workers) in own.items()
+            if group is not None and role in self.made_in
+        }
 
     # ---- the logical topology ------------------------------------------------------------
 

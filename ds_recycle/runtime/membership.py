@@ -112,6 +112,9 @@ class MembershipAgent:
     agent to relay (:mod:`ds_recycle.runtime.beats`)."""
     iteration_seconds: float | None = None
     """The last measured iteration time, sent with every beat."""
+    group_roles: proto.GroupRoles | None = None
+    """The roles of a slot's process groups (set by the engine's runtime): a decision names the
+    roles whose groups the next epoch makes afresh (:func:`~ds_recycle.runtime.protocol.groups_to_remake`)."""
     _heartbeat: threading.Thread | None = field(default=None, repr=False)
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
 
@@ -210,7 +213,9 @@ class MembershipAgent:
         if failed:
             changes = changes[: failed[0]]
         applied = self.applied + len(changes)
-        proposal = Decision(epoch, iteration, applied, changes, self._next(changes, iteration))
+        nxt = self._next(changes, iteration)
+        remade = None if nxt is None else self._remade(nxt)
+        proposal = Decision(epoch, iteration, applied, changes, nxt, remade)
         decision = Decision.from_json(
             self.store.compare_set(proto.decision_key(epoch, iteration), "", proposal.to_json())
         )
@@ -319,13 +324,18 @@ class MembershipAgent:
             count = int(self.store.add(proto.progress_count_key(epoch), 0))
         if count < len(survivors) or not self.store.check(posted):
             return None
-        done = min(Progress.from_json(value).done for value in self.store.multi_get(posted))
+        posts = dict(zip(survivors, map(Progress.from_json, self.store.multi_get(posted)), strict=True))
+        done = min(post.done for post in posts.values())
         nxt = self._next(changes, done) or Membership(epoch + 1, self.current.members, done)
-        proposal = Decision(epoch, done, len(pending), changes, nxt)
+        proposal = Decision(epoch, done, len(pending), changes, nxt, self._remade(nxt, posts))
         decision = Decision.from_json(self.store.compare_set(proto.recovery_key(epoch), "", proposal.to_json()))
         if decision == proposal:
             self._publish(nxt)  # after the key: a survivor that sees the epoch moved sees the key set
         return decision
+
+    def _remade(self, nxt: Membership, posts: dict[int, Progress] | None = None) -> tuple[str, ...] | None:
+        changed = set(self.current.members) ^ set(nxt.members)
+        return proto.groups_to_remake(changed, self.group_roles, self.current.epoch, posts, nxt.members)
 
     def _post_progress(self, epoch: int, progress: Progress) -> int | None:
         """Post this survivor's progress in ``epoch`` on the node's store, and count it there once;

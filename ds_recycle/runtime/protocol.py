@@ -678,21 +678,68 @@ def moves_under_way(changes: list[Change], members: tuple[int, ...]) -> dict[int
     return {slot: c.target for slot, c in last.items() if c.kind == MOVE and slot in members and c.target is not None}
 
 
+GroupState = tuple[int, int]
+"""A process group as a survivor holds it: ``(the epoch it was made in, the collectives posted on
+it)``."""
+
+
 @dataclass(frozen=True)
 class Progress:
     """How far a survivor got when a failure stopped it: ``done`` iterations finished, and whether
-    it had already stepped the in-flight iteration ``done``."""
+    it had already stepped the in-flight iteration ``done``; and the groups it holds for its roles
+    in the grid of epoch ``grid_epoch`` (:data:`GroupState` by role), by which the survivors agree
+    which groups to keep (:func:`groups_to_remake`)."""
 
     done: int
     stepped: bool
+    grid_epoch: int = -1
+    groups: dict[str, GroupState] = field(default_factory=dict)
 
     def to_json(self) -> str:
-        return json.dumps([self.done, self.stepped])
+        groups = {role: list(state) for role, state in sorted(self.groups.items())}
+        return json.dumps([self.done, self.stepped, self.grid_epoch, groups], separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Progress:
-        done, stepped = json.loads(text)
-        return cls(int(done), bool(stepped))
+        done, stepped, grid_epoch, groups = json.loads(text)
+        return cls(int(done), bool(stepped), int(grid_epoch), {r: (int(m), int(n)) for r, (m, n) in groups.items()})
+
+
+GroupRoles = Callable[[int], tuple[str, ...]]
+"""The roles of a slot's groups (its stage's and its pipeline's): the group of a role has the
+role's live slots as members."""
+
+
+def groups_to_remake(
+    changed: set[int],
+    roles_of: GroupRoles | None,
+    epoch: int | None = None,
+    posts: dict[int, Progress] | None = None,
+    members: tuple[int, ...] = (),
+) -> tuple[str, ...] | None:
+    """The roles whose groups the next epoch makes afresh; every other role's group is kept (None:
+    every group is made afresh, when the decider knows no roles).
+
+    A role is remade when one of its slots ``changed`` (left, failed or joined). After a failure
+    (``posts``: every survivor's progress in ``epoch``, by slot) also when its survivors do not all
+    hold the same group with the same number of collectives posted on it: a collective that some
+    members posted and others never will is stuck on the group for good, and a later one would meet
+    it. A survivor that holds the grid of another epoch than ``epoch`` (a failure stopped it while
+    it entered one), and a member of the next epoch that posted nothing (``members``: a joiner),
+    have every role of their slots remade."""
+    if roles_of is None:
+        return None
+    remade = {role for slot in changed for role in roles_of(slot)}
+    if posts is not None:
+        remade.update(role for slot in members if slot not in posts for role in roles_of(slot))
+    held: dict[str, set[GroupState]] = {}
+    for slot, post in (posts or {}).items():
+        if post.grid_epoch != epoch:
+            remade.update(roles_of(slot))
+        for role, state in post.groups.items():
+            held.setdefault(role, set()).add(state)
+    remade |= {role for role, states in held.items() if len(states) > 1}
+    return tuple(sorted(remade))
 
 
 @dataclass(frozen=True)
@@ -706,6 +753,8 @@ class Decision:
     applied: int
     changes: tuple[Change, ...] = field(default_factory=tuple)
     next: Membership | None = None
+    remade: tuple[str, ...] | None = None
+    """The roles whose groups the next epoch makes afresh (:func:`groups_to_remake`); None: all."""
 
     def holders(self) -> tuple[int, ...]:
         """The members of the next epoch that hold the trained state: all but the slots this
@@ -724,6 +773,7 @@ class Decision:
                 "applied": self.applied,
                 "changes": [asdict(c) for c in self.changes],
                 "next": None if self.next is None else json.loads(self.next.to_json()),
+                "remade": None if self.remade is None else list(self.remade),
             }
         )
 
@@ -737,6 +787,7 @@ class Decision:
             int(data["applied"]),
             tuple(Change.from_dict(c) for c in data["changes"]),
             None if nxt is None else Membership.from_json(json.dumps(nxt)),
+            None if data.get("remade") is None else tuple(str(r) for r in data["remade"]),
         )
 
 

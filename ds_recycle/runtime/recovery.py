@@ -36,7 +36,7 @@ from ds_recycle.log import logger
 from ds_recycle.runtime import exit_guard, placement, rebalance, rejoin, reporting
 from ds_recycle.runtime import protocol as proto
 from ds_recycle.runtime.events import MembershipChange
-from ds_recycle.runtime.groups import GROUP_TIMEOUT_SECONDS, RecycleGrid, rebuild_world
+from ds_recycle.runtime.groups import GROUP_TIMEOUT_SECONDS, RecycleGrid, group_roles, rebuild_world
 from ds_recycle.runtime.membership import EpochSuperseded, MembershipAgent
 from ds_recycle.runtime.protocol import RESTART_EXIT_CODE, STOP_EXIT_CODE, Change, Decision, Membership, Progress
 from ds_recycle.runtime.waiting import FailureWatcher, PeerFailure
@@ -118,6 +118,7 @@ class RankRuntime:
     def __init__(self, engine: Trainee, agent: MembershipAgent, config) -> None:
         self.engine = engine
         self.agent = agent
+        agent.group_roles = group_roles(engine.module._topo)
         self.config = config
         """The engine's RecycleConfig (join and detect timeouts, checkpoint)."""
         self.phase = Phase.STARTING
@@ -317,9 +318,17 @@ class RankRuntime:
         announced = (lambda: False) if self.watcher is None else self.watcher.flag.is_set
         self.agent.enter(membership, announced, GROUP_TIMEOUT_SECONDS, copied=by_recovery)
         self._enter_phase(Phase.BUILDING)
-        rebuild_world(self.agent.store, membership, self.engine.slot, GROUP_TIMEOUT_SECONDS)
+        engine = self.engine
+        kept = engine.grid.keep(decision, engine.slot)
+        rebuild_world(self.agent.store, membership, engine.slot, GROUP_TIMEOUT_SECONDS, kept.values())
         grid = RecycleGrid.build(
-            self.engine.module._topo, membership, self.engine.slot, GROUP_TIMEOUT_SECONDS, self.engine.grid.links
+            engine.module._topo,
+            membership,
+            engine.slot,
+            GROUP_TIMEOUT_SECONDS,
+            engine.grid.links,
+            kept,
+            decision.remade,
         )
         self.engine.install_grid(grid)
         rejoin.transfer_state(self.engine, grid, decision.holders())
@@ -350,7 +359,10 @@ class RankRuntime:
         rolled_back = False
         for _ in range(MAX_RECOVERY_ROUNDS):
             before = reporting.Before.of(engine)
-            progress = Progress(engine.global_steps, engine.stepped_inflight)
+            grid = engine.grid
+            progress = Progress(
+                engine.global_steps, engine.stepped_inflight, grid.membership.epoch, grid.group_states()
+            )
             decision = self.agent.recover(progress, before.members, self.config.detect_timeout, GROUP_TIMEOUT_SECONDS)
             self.watcher.acknowledge(self.agent.applied)
             logger.info(

@@ -10,11 +10,14 @@ store operation of the world, gloo's own included, goes through :class:`CountedS
 ``torch.distributed.Store`` that counts what it passes to the job's TCPStore; the harness reports
 the operations and wall time of epoch 2.
 
-``connect="kept"`` is the runtime: epoch 1 connects the peers of the fault-free plan, and each
+``connect="groups"`` is the runtime: epoch 1 connects the peers of the fault-free plan, and each
 survivor then connects the peers of epoch 2's plan (the heuristic's plan for the lost worker,
 lowered: the workers its stream sends to or receives from, and those of the optimizer step,
 :func:`~ds_recycle.engine.staggered_step.step_peers`), one two-rank group each, keeping the pairs
-of epoch 1 whose peers survive. ``connect="pairs"`` is what the runtime did until session 39: the
+of epoch 1 whose peers survive; and it keeps the stage and pipe groups that do not contain the lost
+worker (the decision remakes the others: :func:`~ds_recycle.runtime.protocol.groups_to_remake`).
+``connect="kept"`` is what the runtime did in session 39: the pairs kept, every stage and pipe
+group made afresh. ``connect="pairs"`` is what it did until session 39: the
 same pairs, each epoch's made afresh. ``connect="all"`` is what it did until session 33: one
 all-to-all over each world, which connects every pair.
 """
@@ -31,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from ds_recycle.runtime.protocol import Membership, serve
+from ds_recycle.runtime.protocol import Decision, Membership, groups_to_remake, serve
 from ds_recycle.testing import spawn_context
 from ds_recycle.testing.scale import COUNTS, CountingStore
 
@@ -69,7 +72,7 @@ class CountedClones:
         return self.made[-1]
 
 
-CONNECTS = ("all", "pairs", "kept")
+CONNECTS = ("all", "pairs", "kept", "groups")
 MICRO_BATCHES_PER_STAGE = 2
 
 
@@ -130,7 +133,7 @@ def _rank(
     import torch
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
-    from ds_recycle.runtime.groups import RecycleGrid, rebuild_world
+    from ds_recycle.runtime.groups import RecycleGrid, group_roles, rebuild_world
     from ds_recycle.runtime.waiting import Waiter
 
     timeout = datetime.timedelta(seconds=TIMEOUT_SECONDS)
@@ -139,24 +142,31 @@ def _rank(
     topo = PipeDataParallelTopology(num_pp=pp, num_dp=dp)
     everyone, victim = tuple(range(pp * dp)), pp * dp - 1
 
-    def build(membership: Membership, peers: list[int], links=None):
-        rebuild_world(store, membership, slot, TIMEOUT_SECONDS)
+    def build(membership: Membership, peers: list[int], previous: RecycleGrid | None = None):
+        kept, remade, links = {}, None, None
+        if previous is not None:  # the epoch a recovery decided without the victim
+            links = previous.links
+            if connect == "groups":
+                remade = groups_to_remake({victim}, group_roles(topo))  # every survivor's groups agree
+                decision = Decision(previous.membership.epoch, 1, 1, (), membership, remade)
+                kept = previous.keep(decision, slot)
+        rebuild_world(store, membership, slot, TIMEOUT_SECONDS, kept.values())
         if connect == "all":
             size = dist.get_world_size()
             dist.all_to_all_single(torch.empty(size), torch.zeros(size))
-        grid = RecycleGrid.build(topo, membership, slot, TIMEOUT_SECONDS, links)
+        grid = RecycleGrid.build(topo, membership, slot, TIMEOUT_SECONDS, links, kept, remade)
         if connect != "all":
             grid.links.connect([membership.members.index(peer) for peer in peers], Waiter(), membership.iteration)
         dist.all_reduce(torch.ones(1), group=grid.stage_groups[grid.worker[1]])
-        return grid.links
+        return grid
 
-    links = build(Membership(1, everyone, 0), peers[0])
+    grid = build(Membership(1, everyone, 0), peers[0])
     _barrier(root, "built/1", len(everyone))
     if slot == victim:
         _report(results, None)
     COUNTS.clear()
     began = time.monotonic()
-    build(Membership(2, everyone[:-1], 1), peers[1], links if connect == "kept" else None)
+    build(Membership(2, everyone[:-1], 1), peers[1], grid if connect in ("kept", "groups") else None)
     elapsed = time.monotonic() - began
     _barrier(root, "built/2", len(everyone) - 1)
     _report(results, (elapsed, {op: n for op, n in COUNTS.items() if op != "bytes_read"}))
