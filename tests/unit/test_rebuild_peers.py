@@ -34,5 +34,5 @@ def test_the_fault_free_plans_peers_are_symmetric_and_every_worker_has_some(pp, 
 
 
 def test_an_unknown_connect_mode_is_named():
-    with pytest.raises(ValueError, match=r"connect must be one of \('all', 'pairs', 'kept'\), got 'some'"):
+    with pytest.raises(ValueError, match=r"connect must be one of \('all', 'pairs', 'kept', 'groups'\), got 'some'"):
         measure_rebuild(2, 2, "some")
