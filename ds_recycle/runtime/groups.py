@@ -8,8 +8,14 @@ parts of DeepSpeed's grid API that the engine uses, so it replaces ``engine.grid
 ``engine.mpu`` in place.
 
 Every epoch gets a fresh world on its own store prefix (``world/<epoch>/``): the old default group
-is destroyed and its groups are kept in a graveyard, never reused and never released from a thread
-that might block on them (docs/design.md, "Process groups").
+is destroyed and the groups it does not keep go to a graveyard, never reused and never released
+from a thread that might block on them (docs/design.md, "Process groups"). A stage's or a
+pipeline's group is kept from epoch to epoch (:class:`KeptGroup`: taken out of torch's registry
+before the world is left and registered again with the new world's ranks) unless the decision that
+made the epoch remakes its role (:func:`~ds_recycle.runtime.protocol.groups_to_remake`): a member
+left, failed or joined, or, after a failure, its survivors do not all report the same collectives
+posted on it (one that only some posted is stuck on the group, and would meet a later one). Every
+member makes the remade groups in the same order; a kept group costs nothing.
 
 Every group ReCycle makes connects lazily (gloo's ``TORCH_GLOO_LAZY_INIT``): creating it publishes
 this rank's address and returns, and a pair of ranks connects at its first op. An eager gloo group
@@ -26,7 +32,7 @@ ranks start at the same point of the program and wait for against the failure fl
 connects only its peers, never the whole world: its store operations per epoch grow with its
 peers, not with the world. A pair's group is kept from epoch to epoch while both its workers stay
 members: a failure makes new pairs only where the plan re-routes, and a worker's other pairs cost
-nothing (the world and its stage and pipe groups are still made afresh).
+nothing.
 """
 
 from __future__ import annotations
