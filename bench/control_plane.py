@@ -30,10 +30,12 @@ the steady load over that time (and, on a comment line, by kind, with the nodes'
 - with ``--rebuild P:D ...``, first: the cost of one epoch's process groups on P x D real gloo ranks
   (``ds_recycle.testing.rebuild``): one rank ends, the others build the next world, connect it and
   run a stage all-reduce, as a recovery does; every store operation (gloo's own included) is
-  counted. Each grid three times: the pairs the plans use, one two-rank group each, those of the
-  epoch before kept, as the runtime does ("kept"); the same pairs made afresh in each epoch, as the
-  runtime did until session 39 ("pairs"); every pair by one all-to-all, as it did until session 33
-  ("all"). Then the same arithmetic at 16,384 ranks, against the store's capacity.
+  counted. Each grid four times: the pairs the plans use, one two-rank group each, and the stage
+  and pipe groups, all kept from the epoch before unless the lost worker is theirs, as the runtime
+  does ("groups"); the pairs kept and every stage and pipe group made afresh, as the runtime did in
+  session 39 ("kept"); the same pairs made afresh in each epoch, as it did until session 39
+  ("pairs"); every pair by one all-to-all, as it did until session 33 ("all"). Then the same
+  arithmetic at 16,384 ranks, against the store's capacity.
 
     python bench/control_plane.py [--ranks 256 1024 4096 16384] [--workers 8] [--window 5] [--capacity]
         [--rebuild 4:2 4:4 4:8 4:16 2:16 8:4] [--fan-out 256 2048] [--smoke]
@@ -174,9 +176,10 @@ def _grid(text: str) -> tuple[int, int]:
 
 
 def rebuild_rows(grids: list[tuple[int, int]], capacity: float | None) -> None:
-    """One epoch's groups on real gloo ranks, connected as the runtime does (the plans' pairs, kept)
-    and, for comparison, as it did before (made afresh; all to all); then the same per-rank costs
-    at 16,384 ranks."""
+    """One epoch's groups on real gloo ranks, made and connected as the runtime does (the plans'
+    pairs and the groups without the lost worker kept) and, for comparison, as it did before (the
+    pairs kept, every group made afresh; the pairs made afresh too; all to all); then the same
+    per-rank costs at 16,384 ranks."""
     header = f"{'P x D':>7} {'ranks':>5} {'connect':>7} {'ops/rank':>8} {'max':>5} {'total ops':>9} {'slowest ms':>10}"
     print(f"{header}  by kind (all survivors)")
     costs: dict[str, list[RebuildCost]] = {connect: [] for connect in CONNECTS}
