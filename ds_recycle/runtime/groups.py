@@ -399,7 +399,8 @@ class RecycleGrid:
     def _group(self, role: str, workers: list[Worker], kept: dict[str, KeptGroup], remade: tuple[str, ...] | None):
         slots = tuple(self.slot_of(w) for w in workers)
         if remade is None or role in remade:
-            self.made_in[role] = self.membership.epoch
+            if self.slot in slots:
+                self.made_in[role] = self.membership.epoch
             return new_group([self.rank_of(w) for w in workers], self.timeout)
         if self.slot not in slots:
             return dist.GroupMember.NON_GROUP_MEMBER
@@ -444,7 +445,7 @@ class RecycleGrid:
         return {
             role: (group, tuple(self.slot_of(w) for w in workers))
             for role, (group, workers) in own.items()
-            if group is not None and role in self.made_in
+            if role in self.made_in
         }
 
     # ---- the logical topology ------------------------------------------------------------
