@@ -14,8 +14,10 @@ pipeline's group is kept from epoch to epoch (:class:`KeptGroup`: taken out of t
 before the world is left and registered again with the new world's ranks) unless the decision that
 made the epoch remakes its role (:func:`~ds_recycle.runtime.protocol.groups_to_remake`): a member
 left, failed or joined, or, after a failure, its survivors do not all report the same collectives
-posted on it (one that only some posted is stuck on the group, and would meet a later one). Every
-member makes the remade groups in the same order; a kept group costs nothing.
+posted on it (one that only some posted is stuck on the group, and would meet a later one). A
+stage's or pipeline's group is made by its members alone, on a store connection of its own, so that
+a later epoch's first op on it never waits behind a lookup of a dead worker's address on the
+connection its world shares with the pairs; a kept group costs nothing.
 
 Every group ReCycle makes connects lazily (gloo's ``TORCH_GLOO_LAZY_INIT``): creating it publishes
 this rank's address and returns, and a pair of ranks connects at its first op. An eager gloo group
@@ -306,6 +308,9 @@ def group_roles(topo) -> GroupRoles:
     return roles
 
 
+MADE_NAME = "recycle"
+"""The prefix of the name of a stage or pipe group made in a world (``recycle_<role>_<epoch>``)."""
+
 KEPT_NAME = "recycle_kept"
 """The prefix of the names under which a kept group is registered in later worlds (a name torch
 gives a new group is a counter that starts again in every world)."""
@@ -352,6 +357,14 @@ class KeptGroup:
         return self.group
 
 
+def _on_gloo_with_a_store() -> bool:
+    """Whether the current world is gloo's on a store that can open another connection."""
+    if not dist.is_initialized() or dist.get_backend() != dist.Backend.GLOO:
+        return False
+    store = c10d._get_default_store()
+    return isinstance(store, dist.PrefixStore) and hasattr(store.underlying_store, "clone")
+
+
 @dataclass
 class RecycleGrid:
     """The grid of one epoch. Build it with :meth:`build` on every member, in the same epoch."""
@@ -383,7 +396,7 @@ class RecycleGrid:
         engine's previous grid's (its pairs whose peers stay members are kept), or None for a new
         engine's. ``remade``: the roles whose groups the decision that made the epoch makes afresh
         (None: all); every other role's group is kept by its members (``kept``, from
-        :meth:`keep`), and every member makes the same new groups in the same order."""
+        :meth:`keep`); the new groups are made by their members alone."""
         grid = cls(topo, membership, slot, timeout)
         for stage in range(grid.pipe_parallel_size):
             workers = grid.live_workers(stage)
@@ -401,7 +414,9 @@ class RecycleGrid:
         if remade is None or role in remade:
             if self.slot in slots:
                 self.made_in[role] = self.membership.epoch
-            return new_group([self.rank_of(w) for w in workers], self.timeout)
+            if not _on_gloo_with_a_store():  # a joiner's placeholder world: nothing to keep
+                return new_group([self.rank_of(w) for w in workers], self.timeout)
+            return self._keepable_group(role, [self.rank_of(w) for w in workers])
         if self.slot not in slots:
             return dist.GroupMember.NON_GROUP_MEMBER
         if role not in kept or kept[role].slots != slots:
@@ -412,13 +427,38 @@ class RecycleGrid:
         self.made_in[role] = kept[role].made_in
         return kept[role].enlist(self.membership)
 
+    def _keepable_group(self, role: str, ranks: list[int]):
+        """A group that later epochs may keep, made by its members only, on a store connection of
+        its own: gloo looks up a peer's address on the store at the first op between them, and a
+        lookup of a dead worker's address (the world's or a pair's, on the epoch's shared
+        connection) holds that connection for good; a group kept into a later epoch, first used
+        there, would wait behind it."""
+        world_rank = self.membership.members.index(self.slot)
+        if world_rank not in ranks:
+            return dist.GroupMember.NON_GROUP_MEMBER
+        shared = c10d._get_default_store()
+        store = dist.PrefixStore(proto.world_prefix(self.membership.epoch), shared.underlying_store.clone())
+        name = f"{MADE_NAME}_{role}_{self.membership.epoch}"
+        with lazy_connections():
+            group, _ = c10d._new_process_group_helper(
+                len(ranks),
+                ranks.index(world_rank),
+                ranks,
+                dist.Backend.GLOO,
+                store,
+                name,
+                timeout=datetime.timedelta(seconds=self.timeout),
+            )
+        c10d._world.pg_group_ranks[group] = {rank: i for i, rank in enumerate(ranks)}
+        return group
+
     def keep(self, decision: Decision, slot: int) -> dict[str, KeptGroup]:
         """The groups of this worker that the epoch ``decision`` makes keeps: every role of this
         worker's that the decision does not remake, when this grid is of the decision's epoch, this
         process still holds ``slot``, and its groups are gloo's."""
         if decision.remade is None or slot != self.slot or self.membership.epoch != decision.epoch:
             return {}
-        if not dist.is_initialized() or dist.get_backend() != dist.Backend.GLOO:
+        if not _on_gloo_with_a_store():
             return {}
         return {
             role: KeptGroup(role, group, slots, self.made_in[role])

@@ -57,6 +57,15 @@ class CountedStore(CountingStore, dist.Store):
     def set_timeout(self, timeout) -> None:
         self._store.set_timeout(timeout)
 
+    def clone(self) -> CountedStore:
+        """Another counted connection (a stage or pipe group's own), kept alive with the clones."""
+        _CLONES.append(CountedStore(self._store.clone()))
+        return _CLONES[-1]
+
+
+_CLONES: list[CountedStore] = []
+"""Every clone a group made: a Python store that only C++ still references has lost its methods."""
+
 
 @dataclass
 class CountedClones:
