@@ -309,11 +309,12 @@ def group_roles(topo) -> GroupRoles:
 
 
 MADE_NAME = "recycle"
-"""The prefix of the name of a stage or pipe group made in a world (``recycle_<role>_<epoch>``)."""
+"""The prefix of the name of a stage or pipe group made in a world (``recycle_<role>_<epoch>_<k>``
+for the k-th made in the process)."""
 
-KEPT_NAME = "recycle_kept"
-"""The prefix of the names under which a kept group is registered in later worlds (a name torch
-gives a new group is a counter that starts again in every world)."""
+_groups_made: dict[tuple[str, int], int] = {}
+"""How many groups of a role this process made in an epoch: several engines can share a process,
+and each grid makes its groups in the same order on every member."""
 
 
 @dataclass
@@ -327,7 +328,7 @@ class KeptGroup:
     """The members' slots, by group rank."""
     made_in: int
     registry: dict[str, object] = field(default_factory=dict)
-    """The group's entries in torch's tables (``pg_map``, ``pg_backend_config``)."""
+    """The group's entries in torch's tables (``pg_map``, ``pg_backend_config``) and its name."""
 
     def withdraw(self) -> None:
         """Take the group out of torch's registry of the current world."""
@@ -336,7 +337,7 @@ class KeptGroup:
             "pg_map": world.pg_map.pop(self.group),
             "pg_backend_config": world.pg_backend_config.pop(self.group, None),
         }
-        world.pg_names.pop(self.group, None)
+        self.registry["name"] = world.pg_names.pop(self.group)
         world.pg_group_ranks.pop(self.group, None)
         world.pg_coalesce_state.pop(self.group, None)
         tag = world.pg_to_tag.pop(self.group, None)
@@ -346,7 +347,7 @@ class KeptGroup:
     def enlist(self, membership: Membership) -> object:
         """Register the group in the current world (``membership``'s), its ranks by their slots."""
         world = c10d._world
-        name = f"{KEPT_NAME}_{self.role}_{self.made_in}"
+        name = self.registry["name"]  # unique in the process: it names the world it was made in
         world.pg_map[self.group] = self.registry["pg_map"]
         if self.registry["pg_backend_config"] is not None:
             world.pg_backend_config[self.group] = self.registry["pg_backend_config"]
@@ -438,7 +439,9 @@ class RecycleGrid:
             return dist.GroupMember.NON_GROUP_MEMBER
         shared = c10d._get_default_store()
         store = dist.PrefixStore(proto.world_prefix(self.membership.epoch), shared.underlying_store.clone())
-        name = f"{MADE_NAME}_{role}_{self.membership.epoch}"
+        made = (role, self.membership.epoch)
+        _groups_made[made] = _groups_made.get(made, 0) + 1
+        name = f"{MADE_NAME}_{role}_{self.membership.epoch}_{_groups_made[made]}"
         with lazy_connections():
             group, _ = c10d._new_process_group_helper(
                 len(ranks),
