@@ -415,9 +415,10 @@ class RecycleGrid:
         if remade is None or role in remade:
             if self.slot in slots:
                 self.made_in[role] = self.membership.epoch
+            ranks = [self.rank_of(w) for w in workers]
             if not _on_gloo_with_a_store():  # a joiner's placeholder world: nothing to keep
-                return new_group([self.rank_of(w) for w in workers], self.timeout)
-            return self._keepable_group(role, [self.rank_of(w) for w in workers])
+                return new_group(ranks, self.timeout)
+            return self._keepable_group(role, ranks)
         if self.slot not in slots:
             return dist.GroupMember.NON_GROUP_MEMBER
         if role not in kept or kept[role].slots != slots:

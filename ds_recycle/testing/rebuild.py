@@ -103,7 +103,8 @@ class RebuildCost:
         return self.pp * self.dp
 
 
-def _barrier(store: dist.Store, name: str, count: int) -> None:
+def store_barrier(store: dist.Store, name: str, count: int) -> None:
+    """Until ``count`` processes added themselves to the store's counter ``name``."""
     store.add(name, 1)
     deadline = time.monotonic() + TIMEOUT_SECONDS
     while int(store.add(name, 0)) < count:
@@ -170,14 +171,14 @@ def _rank(
         return grid
 
     grid = build(Membership(1, everyone, 0), peers[0])
-    _barrier(root, "built/1", len(everyone))
+    store_barrier(root, "built/1", len(everyone))
     if slot == victim:
         _report(results, None)
     COUNTS.clear()
     began = time.monotonic()
     build(Membership(2, everyone[:-1], 1), peers[1], grid if connect in ("kept", "groups") else None)
     elapsed = time.monotonic() - began
-    _barrier(root, "built/2", len(everyone) - 1)
+    store_barrier(root, "built/2", len(everyone) - 1)
     _report(results, (elapsed, {op: n for op, n in COUNTS.items() if op != "bytes_read"}))
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -25,19 +24,11 @@ from torch.distributed import distributed_c10d as c10d
 
 from ds_recycle.runtime.groups import RecycleGrid, group_roles, rebuild_world
 from ds_recycle.runtime.protocol import Decision, Membership, Progress, groups_to_remake
+from ds_recycle.testing.rebuild import store_barrier
 
 PP, DP = 2, 3
 VICTIM = 5
 WAIT_SECONDS = 20.0
-
-
-def barrier(store, name: str, count: int) -> None:
-    store.add(name, 1)
-    deadline = time.monotonic() + 60
-    while int(store.add(name, 0)) < count:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"barrier {name}")
-        time.sleep(0.01)
 
 
 def all_reduce(group, value: float) -> float | str:
@@ -69,13 +60,13 @@ def main() -> None:
     all_reduce(stage_group, 1.0)
     if slot == 0:
         dist.all_reduce(torch.tensor([100.0]), group=stage_group, async_op=True)  # abandoned
-    barrier(store, "posted", PP * DP)
+    store_barrier(store, "posted", PP * DP)
     if slot == VICTIM:
         os._exit(0)
 
     survivors = everyone[:VICTIM]
     store.set(f"progress/{slot}", Progress(1, False, 1, grid.group_states()).to_json())
-    barrier(store, "progressed", len(survivors))
+    store_barrier(store, "progressed", len(survivors))
     posts = {s: Progress.from_json(store.get(f"progress/{s}")) for s in survivors}
     second = Membership(2, survivors, 1)
     roles = group_roles(topo)
@@ -104,7 +95,7 @@ def main() -> None:
         result["pipe"] = all_reduce(new.get_pipe_parallel_group(), slot + 1.0)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{slot}.json").write_text(json.dumps(result))
-    barrier(store, "written", len(survivors))
+    store_barrier(store, "written", len(survivors))
     os._exit(0)  # the groups are never torn down, as in a rank
 
 
