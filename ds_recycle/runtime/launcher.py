@@ -44,7 +44,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -52,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ds_recycle.runtime import protocol as proto
+from ds_recycle.runtime.beats import make_beat_directory
 from ds_recycle.runtime.coordinator import Coordinator, HeartbeatPolicy, RankExit, describe_returncode
 from ds_recycle.runtime.host import CoordinatorHost, HostConfig, NodesMissing, raise_descriptor_limit
 from ds_recycle.runtime.node import CoordinatorGone, NodeLink, NodeRefused, await_generation
@@ -263,7 +263,7 @@ class Launcher:
         """The node's store and its copy of the job's changes, for this generation's ranks."""
         self._preloader: Preloader | None = None
         self._preload_failed = False
-        self.beats_dir = tempfile.mkdtemp(prefix=f"ds_recycle_beats_node{config.node_rank}_")
+        self.beats_dir = make_beat_directory(config.node_rank)
         """This node's ranks' heartbeat files, relayed by its lease (:mod:`ds_recycle.runtime.beats`)."""
 
     # ---- public --------------------------------------------------------------------------------
