@@ -175,16 +175,16 @@ def _grid(text: str) -> tuple[int, int]:
     return int(pp), int(dp)
 
 
-def rebuild_rows(grids: list[tuple[int, int]], capacity: float | None) -> None:
+def rebuild_rows(grids: list[tuple[int, int]], capacity: float | None, connects: tuple[str, ...] = CONNECTS) -> None:
     """One epoch's groups on real gloo ranks, made and connected as the runtime does (the plans'
     pairs and the groups without the lost worker kept) and, for comparison, as it did before (the
     pairs kept, every group made afresh; the pairs made afresh too; all to all); then the same
     per-rank costs at 16,384 ranks."""
     header = f"{'P x D':>7} {'ranks':>5} {'connect':>7} {'ops/rank':>8} {'max':>5} {'total ops':>9} {'slowest ms':>10}"
     print(f"{header}  by kind (all survivors)")
-    costs: dict[str, list[RebuildCost]] = {connect: [] for connect in CONNECTS}
+    costs: dict[str, list[RebuildCost]] = {connect: [] for connect in connects}
     for pp, dp in grids:
-        for connect in CONNECTS:
+        for connect in connects:
             cost = measure_rebuild(pp, dp, connect)
             costs[connect].append(cost)
             kinds = " ".join(f"{k} {v}" for k, v in cost.by_kind.items())
@@ -230,7 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=float, default=5.0, help="steady-state window, seconds")
     parser.add_argument("--iteration", type=float, default=1.0, help="emulated iteration time, seconds")
     parser.add_argument("--lease", type=float, default=10.0, help="node lease timeout, seconds")
-    parser.add_argument("--smoke", action="store_true", help="N = 24 only, one worker, short window (the suite's run)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="N = 24 only, one worker, short window, two small grids rebuilt as now and all to all (the suite's run)",
+    )
     parser.add_argument(
         "--capacity", action="store_true", help="first, the store server's saturation point, libuv and not"
     )
@@ -262,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             capacity = capacity or rate
             print(f"store capacity ({'libuv' if use_libuv else 'classic'} backend, 2 x 32 clients): {rate:.0f} ops/s")
     if args.rebuild:
-        rebuild_rows(args.rebuild, capacity)
+        rebuild_rows(args.rebuild, capacity, ("all", "groups") if args.smoke else CONNECTS)
     if args.fan_out:
         fan_out_rows(args.fan_out, args.workers)
     count_store_operations()

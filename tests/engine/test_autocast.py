@@ -16,7 +16,7 @@ from ds_recycle.runtime.launcher import launch
 from ds_recycle.runtime.preload import PRELOAD_MODULES
 from ds_recycle.testing.tiny import ds_config
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.beside]  # fault-free and bitwise: no timing
 
 WORKER = Path(__file__).with_name("autocast_worker.py")
 STEPS = 3

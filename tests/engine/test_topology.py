@@ -16,7 +16,7 @@ from ds_recycle.runtime.launcher import launch
 from ds_recycle.runtime.preload import PRELOAD_MODULES
 from ds_recycle.testing.tiny import TINY_GPT, ds_config
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.beside]  # fault-free and bitwise: no timing
 
 ROOT = Path(__file__).resolve().parents[2]
 

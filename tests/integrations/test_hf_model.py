@@ -13,7 +13,7 @@ import pytest
 from tiny_configs import CONFIGS
 
 HERE = Path(__file__).parent
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.beside]  # fault-free and bitwise: no timing
 
 
 @pytest.fixture(scope="module")

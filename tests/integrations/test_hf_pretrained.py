@@ -16,7 +16,7 @@ from tiny_configs import CONFIGS
 from ds_recycle.runtime.launcher import launch
 from ds_recycle.runtime.preload import PRELOAD_MODULES
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.beside]  # fault-free and bitwise: no timing
 
 WORKER = Path(__file__).with_name("pretrained_worker.py")
 
