@@ -111,7 +111,8 @@ def run_job(tmp: Path, pp: int, dp: int, m: int, ms: float, evals: int, failed: 
     config = LaunchConfig(argv=argv, nproc=pp * dp, timeout=600, log_dir=tmp / "logs", preload=PRELOAD_MODULES)
     launcher = Launcher(config, echo=lines.append)
     if launcher.run() != 0:
-        raise SystemExit("the job failed:\n" + "\n".join(lines[-30:]))
+        failed_logs = [f"rank {r.slot} ({r.returncode}):\n{r.log[-4000:]}" for r in launcher.results() if not r.ok]
+        raise SystemExit("the job failed:\n" + "\n".join(lines[-30:] + failed_logs))
     records = [torch.load(path, weights_only=False) for path in sorted(tmp.glob("[0-9]*.pt"))]
 
     def median(key: str) -> float:

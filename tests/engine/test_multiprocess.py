@@ -18,7 +18,7 @@ from ds_recycle.planner.lowering import lower, stream_kinds
 from ds_recycle.planner.plan import CostModel
 from ds_recycle.testing.tiny import TINY_GPT, ds_config
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.beside]  # fault-free: no heartbeat, no deadline
+pytestmark = pytest.mark.multiprocess
 
 STEPS = 5
 CLIP = 0.05
