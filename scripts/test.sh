@@ -4,7 +4,8 @@
 #                                  that start real ranks (marker multiprocess) one after the other,
 #                                  and the pure tests beside them, on the CPU the jobs leave idle
 #                                  while they wait on each other, then the multiprocess tests that
-#                                  check no timing (marker beside); exit 0 only if both pass
+#                                  check no timing (benchmarks' smoke runs, fault-free bitwise
+#                                  tests: marker beside); exit 0 only if both pass
 #   bash scripts/test.sh ARGS...   one pytest process with these arguments
 # PYTEST_ADDOPTS adds options to both (e.g. --durations=30).
 set -euo pipefail
@@ -19,8 +20,8 @@ fi
 # run: SIGABRT, on which Python's fault handler (-X faulthandler) prints every thread's stack; the
 # run then answers 124. A hung test is ended sooner, by pytest-timeout (pyproject.toml).
 bounded() { timeout --signal=ABRT --kill-after=30 "$1" .venv/bin/python -X faulthandler "${pytest[@]:1}" "${@:2}"; }
-PURE_BOUND_SECONDS=1500  # the pure run takes about 7 minutes beside the other
-JOBS_BOUND_SECONDS=2700  # the multiprocess run takes about 13 minutes
+PURE_BOUND_SECONDS=1500  # the pure run takes 7-13 minutes beside the other
+JOBS_BOUND_SECONDS=2700  # the multiprocess run takes 13-20 minutes
 pure_log="$(mktemp)"
 bounded "$PURE_BOUND_SECONDS" -m "not multiprocess or beside" >"$pure_log" 2>&1 &
 pure=$!
