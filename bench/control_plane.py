@@ -255,8 +255,10 @@ def main(argv: list[str] | None = None) -> int:
         help="first, the store's side of one decision made per node (what the 0.5 s goal needs)",
     )
     args = parser.parse_args(argv)
+    connects = CONNECTS
     if args.smoke:
         args.ranks, args.workers, args.window, args.rebuild, args.fan_out = [24], 1, 1.0, [(2, 2), (2, 3)], [16]
+        connects = ("all", "groups")
     if any(n % PER_NODE or n < 3 * PER_NODE for n in args.ranks):
         parser.error(f"--ranks: each N must be a multiple of {PER_NODE}, at least {3 * PER_NODE}")
     capacity = None
@@ -266,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             capacity = capacity or rate
             print(f"store capacity ({'libuv' if use_libuv else 'classic'} backend, 2 x 32 clients): {rate:.0f} ops/s")
     if args.rebuild:
-        rebuild_rows(args.rebuild, capacity, ("all", "groups") if args.smoke else CONNECTS)
+        rebuild_rows(args.rebuild, capacity, connects)
     if args.fan_out:
         fan_out_rows(args.fan_out, args.workers)
     count_store_operations()

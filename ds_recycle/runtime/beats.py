@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Iterable
@@ -43,11 +44,13 @@ def remove_orphaned_beat_directories(root: str | None = None, orphan_after: floa
     removed = []
     for path in Path(root or tempfile.gettempdir()).glob(f"{DIRECTORY_PREFIX}node*"):
         named = _DIRECTORY_NAME.fullmatch(path.name)
+        if named is None:
+            continue
         try:
             status = path.stat()
         except OSError:
             continue
-        if named is None or status.st_uid != os.getuid() or not path.is_dir():
+        if status.st_uid != os.getuid() or not stat.S_ISDIR(status.st_mode):
             continue
         if _running(int(named.group(1))) or time.time() - status.st_mtime < orphan_after:
             continue
