@@ -21,7 +21,8 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "hypothesis", "ruff", "mip[highs]"],
+        # import-linter: the import contract in pyproject.toml (tests/unit/test_code_contracts.py runs it)
+        "test": ["pytest", "pytest-timeout", "hypothesis", "ruff", "import-linter>=2.16,<3", "mip[highs]"],
         "highs": ["mip[highs]"],
         # HF Trainer integration (ds_recycle.integrations.hf): it overrides private Trainer hooks,
         # so the range is the one tested.

@@ -5,7 +5,7 @@ pp=4 x dp=2, m=8 per failure set: every rank trains one iteration, evaluates --e
 fault-free, then the failure set's workers SIGKILL themselves while the others are inside their
 next evaluation (which is recovered and run again), and the survivors evaluate --evals batches on
 the forward-only plan without them. Each row: the median wall time of a fault-free and of a
-degraded evaluation (the slowest rank's ``engine.evaluation.seconds``), their ratio, the ratio the
+degraded evaluation (the slowest rank's ``engine.evaluator.current.seconds``), their ratio, the ratio the
 forward-only streams predict (each F takes one unit once its input has arrived), and the largest
 relative difference of a degraded eval loss from the fault-free one.
 
@@ -48,7 +48,7 @@ def rank_main(args: argparse.Namespace) -> None:
 
     def evaluate() -> dict:
         loss = float(engine.eval_batch(lambda home, mb: provider.get(0, home, mb)))
-        evaluation = engine.evaluation
+        evaluation = engine.evaluator.current
         return {"loss": loss, "seconds": evaluation.seconds, "attempts": evaluation.attempts}
 
     slot, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -69,8 +69,9 @@ def predicted_ratio(pp: int, dp: int, m: int, failed: list[tuple[int, int]]) -> 
     """Makespan of the forward-only streams (unit F, sends free) against fault-free."""
     from ds_recycle.planner.cache import PlanCache
     from ds_recycle.planner.fault_free import fault_free_plan
+    from ds_recycle.planner.request import PlanRequest
 
-    return _makespan(PlanCache().get_or_plan(dp, pp, m, failed)) / _makespan(fault_free_plan(dp, pp, m))
+    return _makespan(PlanCache().get_or_plan(PlanRequest(dp, pp, m, failed))) / _makespan(fault_free_plan(dp, pp, m))
 
 
 def _makespan(plan) -> float:

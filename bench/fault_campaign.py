@@ -523,7 +523,7 @@ def measure(job: Job, faults: list[Fault], result: JobResult) -> list[Row]:
             recovered = [c["recovery_seconds"] for c in plan_epoch if c["recovery_seconds"] is not None]
             row.published_to_plan_s = max(recovered) if recovered else None
         else:
-            row.published_to_plan_s = max(c["detection_seconds"] + c["rebuild_seconds"] for c in plan_epoch)
+            row.published_to_plan_s = max(c["detection_seconds"] + c["switch_seconds"] for c in plan_epoch)
         row.new_plan_s = max(c["time"] for c in plan_epoch) - last
         if not back:
             row.note = "not back on the fault-free plan"

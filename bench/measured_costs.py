@@ -189,7 +189,7 @@ def measure_epochs(out: Path, steps: int) -> list[dict]:
             epochs[change["epoch"]].update(
                 first=change["iteration"], plan=change["plan"] or epochs[change["epoch"]]["plan"]
             )
-            epochs[change["epoch"]].setdefault("switch_ms", []).append(change["rebuild_seconds"] * 1e3)
+            epochs[change["epoch"]].setdefault("switch_ms", []).append(change["switch_seconds"] * 1e3)
     epochs[0]["first"] = 0
     order = sorted(epochs)
     rows = []

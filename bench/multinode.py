@@ -7,7 +7,7 @@ only its lease can tell), thawed (it fences itself), and re-admitted. Rows per p
 (signal to the failure published), signal to the survivors on the new plan, measured/predicted
 iteration time, throughput against fault-free; and the final parameters against the fault-free run.
 
-    python bench/multinode.py [--steps 90] [--node-lease 2] [--smoke]
+    python bench/multinode.py [--steps 90] [--node-lease 2] [--optimizer adam|sgd] [--smoke]
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ TOKEN = "bench-multinode-token-0123456789"
 class Node:
     """One node's agent process (its own process group), its output read in a thread, its events watched."""
 
-    def __init__(self, run: Path, node: int, port: int, steps: int, lease: float, incarnation: int = 0) -> None:
+    def __init__(
+        self, run: Path, node: int, port: int, steps: int, lease: float, options: list[str], incarnation: int = 0
+    ) -> None:
         command = [sys.executable, "-m", "ds_recycle.cli", "launch", "--nnodes", str(NODES), "--node-rank", str(node)]
         command += ["--nproc-per-node", str(PER_NODE), "--rdzv-endpoint", f"127.0.0.1:{port}", "--respawn"]
         command += ["--node-lease", str(lease), "--timeout", "900", "--log-dir", str(run / f"logs{node}.{incarnation}")]
@@ -50,7 +52,7 @@ class Node:
         command += ["--events", str(self.events.path)]
         command += [str(ROOT / "examples" / "train_gpt.py"), "--deepspeed_config", str(run / "ds_config.json")]
         command += ["--steps", str(steps), *TINY_GPT.script_args(), "--pipeline-major"]
-        command += ["--metrics", str(run / "metrics"), "--dump", str(run / "dump")]
+        command += ["--metrics", str(run / "metrics"), "--dump", str(run / "dump"), *options]
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "DS_RECYCLE_TOKEN": TOKEN}
         self.proc = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
@@ -97,13 +99,13 @@ def wait(condition, what: str, timeout: float = 300.0) -> None:
         time.sleep(0.05)
 
 
-def run_job(run: Path, steps: int, lease: float, faults: bool) -> dict:
+def run_job(run: Path, steps: int, lease: float, faults: bool, options: list[str]) -> dict:
     run.mkdir(parents=True)
     (run / "ds_config.json").write_text(json.dumps(CONFIG))
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    nodes = [Node(run, k, port, steps, lease) for k in range(NODES)]
+    nodes = [Node(run, k, port, steps, lease, options) for k in range(NODES)]
     events: dict[str, float] = {}
     try:
         if faults:
@@ -111,7 +113,7 @@ def run_job(run: Path, steps: int, lease: float, faults: bool) -> dict:
             events["sigkill"] = time.time()
             nodes[3].signal(signal.SIGKILL, ranks_too=False)  # the ranks die with their agent
             wait(lambda: iterations_done(run) >= steps // 8 + 6, "a degraded phase")
-            nodes[3] = Node(run, 3, port, steps, lease, incarnation=1)
+            nodes[3] = Node(run, 3, port, steps, lease, options, incarnation=1)
             wait(lambda: sum(r["kind"] == "change" for r in records(run)) >= 2, "node 3's re-admission")
             restored = iterations_done(run) + 6
             wait(lambda: iterations_done(run) >= restored, "a restored phase")
@@ -120,7 +122,7 @@ def run_job(run: Path, steps: int, lease: float, faults: bool) -> dict:
             wait(lambda: sum(r["kind"] == "change" for r in records(run)) >= 3, "node 2's failure")
             nodes[2].signal(signal.SIGCONT, ranks_too=True)
             wait(lambda: nodes[2].proc.poll() is not None, "node 2 to fence itself", 60)
-            nodes[2] = Node(run, 2, port, steps, lease, incarnation=1)
+            nodes[2] = Node(run, 2, port, steps, lease, options, incarnation=1)
         wait(lambda: all(n.proc.poll() is not None for n in nodes), "the job's end", 900)
     finally:
         for node in nodes:
@@ -177,13 +179,15 @@ def report(fault_free: dict, faulty: dict, run_dir: Path) -> None:
             f"{'-' if detect is None else f'{detect:.2f}':>8s} "
             f"{'-' if to_plan is None else f'{to_plan:.2f}':>9s}  {joined}"
         )
-    worst = 0.0
+    worst, where = 0.0, ""
     for path in sorted((run_dir / "faulty" / "dump").glob("rank*.pt")):
         ours = torch.load(path, weights_only=False)
         theirs = torch.load(run_dir / "fault_free" / "dump" / path.name, weights_only=False)
         for name, value in theirs["params"].items():
-            worst = max(worst, (ours["params"][name] - value).abs().max().item())
-    print(f"agents' exit codes {faulty['codes']}; max |parameter - fault-free| over every rank: {worst:.3g}")
+            difference = (ours["params"][name] - value).abs().max().item()
+            if difference > worst:
+                worst, where = difference, f"{path.stem} {name}"
+    print(f"agents' exit codes {faulty['codes']}; max |parameter - fault-free| over every rank: {worst:.3g} ({where})")
 
 
 def main() -> None:
@@ -192,15 +196,24 @@ def main() -> None:
     parser.add_argument("--node-lease", type=float, default=5.0)
     parser.add_argument("--smoke", action="store_true", help="a short fault-free run only (for the test suite)")
     parser.add_argument("--keep", type=Path, default=None, help="run in this (new) directory and keep it")
+    parser.add_argument(
+        "--optimizer",
+        choices=["adam", "sgd"],
+        default="adam",
+        help="adam: the config's (torch Adam, lr 0.003); sgd: torch SGD with momentum 0.9, lr 0.003",
+    )
     args = parser.parse_args()
+    options = [] if args.optimizer == "adam" else ["--optimizer", "sgd", "--lr", "0.003"]
     with tempfile.TemporaryDirectory(prefix="bench_multinode_") as tmp:
         run_dir = args.keep or Path(tmp)
-        fault_free = run_job(run_dir / "fault_free", 6 if args.smoke else args.steps, args.node_lease, faults=False)
+        fault_free = run_job(
+            run_dir / "fault_free", 6 if args.smoke else args.steps, args.node_lease, faults=False, options=options
+        )
         if args.smoke:
             assert fault_free["codes"] == [0] * NODES, fault_free["codes"]
             print(f"smoke: {sum(r['kind'] == 'iteration' for r in fault_free['records'])} iterations on 4 agents")
             return
-        faulty = run_job(run_dir / "faulty", args.steps, args.node_lease, faults=True)
+        faulty = run_job(run_dir / "faulty", args.steps, args.node_lease, faults=True, options=options)
         report(fault_free, faulty, run_dir)
 
 

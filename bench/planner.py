@@ -46,6 +46,7 @@ from ds_recycle.planner.list_scheduler import ScheduleOptions
 from ds_recycle.planner.lower_bound import BoundParts, lower_bound, lower_bound_parts
 from ds_recycle.planner.milp import available_solver, plan_milp
 from ds_recycle.planner.plan import CostModel, Plan, Worker
+from ds_recycle.planner.request import PlanRequest
 from ds_recycle.planner.simulate import simulate
 from ds_recycle.planner.validator import validate
 from ds_recycle.sim.cost_model import stage_costs
@@ -178,14 +179,15 @@ def cache_hit_seconds(repeats: int = 200) -> tuple[float, float, float, float]:
     the cached labels, median repeated hit on a relabelled set, median and max of the first hit of
     each of the 27 other relabellings, which must map every op to the caller's labels)."""
     cache = PlanCache()
-    cache.get_or_plan(8, 8, 32, [(0, 3), (1, 3)])
+    request = PlanRequest(8, 8, 32)
+    cache.get_or_plan(request.with_failed([(0, 3), (1, 3)]))
     same, relabelled = [], []
     for _ in range(repeats):
         t = time.perf_counter()
-        plan = cache.get(8, 8, 32, [(0, 3), (1, 3)])
+        plan = cache.get(request.with_failed([(0, 3), (1, 3)]))
         same.append(time.perf_counter() - t)
         t = time.perf_counter()
-        plan = cache.get(8, 8, 32, [(5, 3), (6, 3)])
+        plan = cache.get(request.with_failed([(5, 3), (6, 3)]))
         relabelled.append(time.perf_counter() - t)
         assert plan is not None
     first = []
@@ -193,7 +195,7 @@ def cache_hit_seconds(repeats: int = 200) -> tuple[float, float, float, float]:
         if (a, b) in ((0, 1), (5, 6)):
             continue
         t = time.perf_counter()
-        plan = cache.get(8, 8, 32, [(a, 3), (b, 3)])
+        plan = cache.get(request.with_failed([(a, 3), (b, 3)]))
         first.append(time.perf_counter() - t)
         assert plan is not None and plan.failed == ((a, 3), (b, 3))
     return statistics.median(same), statistics.median(relabelled), statistics.median(first), max(first)

@@ -18,10 +18,10 @@ from ds_recycle.config import RecycleConfig, RecycleConfigError
 from ds_recycle.data import DatasetMicroBatches
 from ds_recycle.engine import RecyclePipelineEngine
 from ds_recycle.log import logger
-from ds_recycle.runtime import exit_guard
-from ds_recycle.runtime import protocol as proto
+from ds_recycle.runtime import exit_guard, keys
 from ds_recycle.runtime.distributed import init_distributed, membership_agent
 from ds_recycle.runtime.events import Monitor
+from ds_recycle.runtime.recovery import RankRuntime
 
 __all__ = ["init_distributed", "initialize"]
 
@@ -91,7 +91,7 @@ def initialize(
             )
         training_data = None
     agent = membership_agent()
-    if agent is None and os.environ.get(proto.ENV_STORE):
+    if agent is None and os.environ.get(keys.ENV_STORE):
         _refuse_foreign_init()
     if agent is not None and not recycle.enabled:
         raise RecycleConfigError(
@@ -121,6 +121,7 @@ def initialize(
         config_class=config_class,
         recycle_config=recycle,
         micro_batch_source=provider,
+        runtime=RankRuntime(agent, recycle) if agent is not None else None,
     )
     engine._configure_python_gc()
     monitoring.attach(engine, recycle, config, monitors or ())  # called on the lowest live rank only
@@ -134,13 +135,13 @@ def initialize(
             drop_last=engine.dataloader_drop_last(),
         )
     if recycle.enabled and not (agent is not None and agent.is_joiner):
-        engine.resume_from_checkpoint()  # recycle.checkpoint: continue from its latest, if any
+        engine.checkpointer.resume()  # recycle.checkpoint: continue from its latest, if any
     if engine.runtime is not None:
         if agent.is_joiner:
             engine.runtime.join()
         else:
             engine.runtime.start()
-            engine.warn_if_data_is_per_pipeline()
+            engine.feed.warn_if_per_pipeline()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
@@ -154,7 +155,7 @@ def _refuse_foreign_init() -> None:
         "deepspeed.init_distributed() (before building the PipelineModule); it joins the job's coordinator, "
         "so that a rank can leave, fail and re-join"
     )
-    raise exit_guard.exit(proto.STOP_EXIT_CODE)
+    raise exit_guard.exit(keys.STOP_EXIT_CODE)
 
 
 def _is_map_style(data) -> bool:

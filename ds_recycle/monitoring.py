@@ -81,7 +81,7 @@ class DeepSpeedMonitors:
             ("Recycle/event/left", len(event.left), step),
             ("Recycle/event/failed", len(event.failed), step),
             ("Recycle/event/joined", len(event.joined), step),
-            ("Recycle/event/switch_s", event.rebuild_seconds, step),
+            ("Recycle/event/switch_s", event.switch_seconds, step),
         ]
         if event.detection_seconds is not None:
             events.append(("Recycle/event/detection_s", event.detection_seconds, step))

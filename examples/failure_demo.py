@@ -131,7 +131,7 @@ def describe(change: dict, killed_at: float | None) -> str:
         line += f" (detected and decided in {change['detection_seconds'] * 1e3:.0f} ms"
         line += ", interrupted iteration rolled back)" if change["rolled_back"] else ")"
     else:
-        line += f"; switched in {change['rebuild_seconds'] * 1e3:.0f} ms"
+        line += f"; switched in {change['switch_seconds'] * 1e3:.0f} ms"
     plan = change["plan"]
     return line + (
         f"; plan predicts {plan['predicted_iteration_time']:.0f} ms = {change['ratio_to_fault_free']:.2f}x "

@@ -165,7 +165,7 @@ def main() -> None:
                 "params": {k: v.detach().clone() for k, v in engine.module.state_dict().items()},
                 "initial": initial,
                 "events": events,
-                "cost_changes": [dataclasses.asdict(c) for c in getattr(engine, "cost_changes", [])],
+                "cost_changes": [dataclasses.asdict(c) for c in getattr(getattr(engine, "costs", None), "changes", [])],
             },
             args.dump / f"rank{rank}.pt",
         )

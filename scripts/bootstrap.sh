@@ -4,6 +4,35 @@
 # `torch>=2.13` requirement of deepspeed and ds_recycle from pulling a CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# The status page's browser test (tests/runtime/test_status_page.py) needs a headless Chromium. When
+# none is found, Debian's chromium is installed here, as root on a Debian-like machine (CI). Without
+# root or apt-get the bootstrap says so and goes on: the test then skips (fails under CI=true).
+BROWSERS=(chromium chromium-browser google-chrome google-chrome-stable)  # the test's list
+have_browser() {
+  local name
+  for name in "${BROWSERS[@]}"; do
+    if command -v "$name" >/dev/null 2>&1; then return 0; fi
+  done
+  return 1
+}
+if ! have_browser; then
+  if [ "$(id -u)" -eq 0 ] && [ -f /etc/debian_version ] && command -v apt-get >/dev/null 2>&1; then
+    echo "bootstrap: no headless browser (${BROWSERS[*]}); installing Debian's chromium with apt-get"
+    apt_log="$(mktemp)"
+    if { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; } \
+      >"$apt_log" 2>&1 && have_browser; then
+      echo "bootstrap: installed $(chromium --version 2>/dev/null || echo chromium)"
+    else
+      tail -n 20 "$apt_log"
+      echo "bootstrap: WARNING: could not install chromium (apt-get output above); the status page's browser test will skip (and fail under CI=true)"
+    fi
+    rm -f "$apt_log"
+  else
+    echo "bootstrap: no headless browser (${BROWSERS[*]}) and no root apt-get to install one: the status page's browser test will skip (and fail under CI=true); to run it: sudo apt-get install chromium"
+  fi
+fi
+
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv

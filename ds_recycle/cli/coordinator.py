@@ -21,10 +21,14 @@ import re
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ds_recycle.cli import nodes
 from ds_recycle.cli.common import UsageError, float_in
-from ds_recycle.runtime.protocol import HEARTBEAT_MIN_TIMEOUT_SECONDS
+from ds_recycle.runtime.keys import HEARTBEAT_MIN_TIMEOUT_SECONDS
+
+if TYPE_CHECKING:
+    from ds_recycle.runtime.launcher import LaunchConfig
 
 HELP = "host the job's store and coordinator on a host of its own (every node's agent joins it)"
 
@@ -124,26 +128,34 @@ def heartbeat_policy(args: argparse.Namespace):
     )
 
 
+def job_config(args: argparse.Namespace, job: nodes.NodeSpec | nodes.JobSpec, coordinator_wait: float) -> LaunchConfig:
+    """The job as the flags every node's agent and the coordinator share describe it, with no
+    script (``ds-recycle launch`` adds its own flags): the one reading of those flags, so that a
+    standalone coordinator and node 0's host are configured alike (:meth:`LaunchConfig.host_config`)."""
+    from ds_recycle.runtime.launcher import LaunchConfig
+
+    return LaunchConfig(
+        argv=[],
+        nproc=job.nproc_per_node,
+        nnodes=job.nnodes,
+        endpoint=job.endpoint,
+        token=job.token,
+        node_lease=args.node_lease,
+        coordinator_wait=coordinator_wait,
+        status_port=args.status_port,
+        status_host=args.status_host,
+        heartbeat=heartbeat_policy(args),
+        events=None if args.events is None else Path(args.events),
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     validate_coordination(args)
     job = nodes.resolve_job(args)
-    from ds_recycle.runtime.host import LOG_PREFIX, HostConfig, serve
+    from ds_recycle.runtime.host import LOG_PREFIX, serve
     from ds_recycle.runtime.launcher import EventStream
 
-    host, port = job.endpoint
-    config = HostConfig(
-        nnodes=job.nnodes,
-        nproc=job.nproc_per_node,
-        host=host,
-        port=port,
-        token=job.token,
-        node_lease=args.node_lease,
-        heartbeat=heartbeat_policy(args),
-        status_port=args.status_port,
-        status_host=args.status_host,
-        local_node=None,
-        check_in_timeout=args.check_in_timeout,
-    )
+    config = job_config(args, job, args.check_in_timeout).host_config(job.token, local_node=None)
     received: list[int] = []
     previous = {
         sig: signal.signal(sig, lambda signum, frame: received.append(signum))

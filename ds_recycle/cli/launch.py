@@ -8,6 +8,7 @@ the allowed values. Nothing heavy is imported here: torch comes in only when the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from ds_recycle.cli import coordinator, nodes
 from ds_recycle.cli.common import UsageError
-from ds_recycle.runtime import protocol as proto
+from ds_recycle.runtime import keys
 
 MAX_NPROC = 1024
 """More ranks than this on one host is a typo, not a job."""
@@ -74,34 +75,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     node = nodes.resolve(args)
     _validate(args, node)
-    from ds_recycle.runtime.launcher import LaunchConfig, Launcher
+    from ds_recycle.runtime.launcher import Launcher
 
-    config = LaunchConfig(
+    config = dataclasses.replace(
+        coordinator.job_config(args, node, args.coordinator_wait),
         argv=[args.script, *args.script_args],
-        nproc=node.nproc_per_node,
-        nnodes=node.nnodes,
         node_rank=node.node_rank,
-        endpoint=node.endpoint,
-        node_lease=args.node_lease,
         external_coordinator=args.external_coordinator,
         coordinator_timeout=args.coordinator_timeout,
-        coordinator_wait=args.coordinator_wait,
-        token=node.token,
         domain=node.domain,
-        env={proto.ENV_ALLOW_UNSAFE_PLACEMENT: "1"} if args.allow_unsafe_placement else None,
-        status_port=args.status_port,
-        status_host=args.status_host,
+        env={keys.ENV_ALLOW_UNSAFE_PLACEMENT: "1"} if args.allow_unsafe_placement else None,
         respawn=args.respawn,
         respawn_delay=args.respawn_delay,
         max_restarts=args.max_restarts,
         rebalance=args.rebalance == "migrate",
         timeout=args.timeout,
         log_dir=None if args.log_dir is None else Path(args.log_dir),
-        events=None if args.events is None else Path(args.events),
         host=args.host,
         python=sys.executable,
         preload=_preload_modules(args),
-        heartbeat=coordinator.heartbeat_policy(args),
         grace=args.grace,
     )
     return Launcher(config).run(handle_signals=True)

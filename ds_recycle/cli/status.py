@@ -54,15 +54,15 @@ def run(args: argparse.Namespace) -> int:
     if not re.fullmatch(HOST_PATTERN, host):
         raise UsageError(f"--rdzv-endpoint {shorten(host, 60)!r}: expected a host name or an IP address before :PORT")
     where, address = f"{host}:{port}", f"{host.strip('[]')}:{port}"
-    from ds_recycle.runtime import protocol as proto
     from ds_recycle.runtime import status
+    from ds_recycle.runtime.c10d_store import C10dJobStore, C10dStoreRoot
 
     try:
         with _quiet_stderr():  # torch's store client logs every retry, with a C++ stack, to fd 2
-            root = proto.connect(address, None, timeout=args.timeout, connect_timeout=args.timeout)
-            generation = int(root.get(proto.GENERATION)) if root.check([proto.GENERATION]) else None
+            root = C10dStoreRoot.connect(address, timeout=args.timeout, connect_timeout=args.timeout)
+            generation = root.running_generation()
             if generation is not None:
-                store = proto.connect(address, generation, timeout=args.timeout, connect_timeout=args.timeout)
+                store = C10dJobStore.connect(address, generation, timeout=args.timeout, connect_timeout=args.timeout)
                 job = status.read_status(store, generation)
     except (RuntimeError, OSError, ValueError) as exc:  # torch's DistNetworkError and DistStoreError included
         reason = shorten(" ".join(str(exc).split()), 160)

@@ -1,20 +1,23 @@
-"""``recycle.checkpoint``: DeepSpeed checkpoints that a degraded job can still write and restart from.
+"""Checkpointer: ``recycle.checkpoint``'s DeepSpeed checkpoints, which a degraded job can still
+write and restart from.
 
 DeepSpeed writes a stage's files from its data-parallel rank 0 and the ``latest`` tag from global
 rank 0. After a failure those may be dead, so while workers are missing the lowest live replica
 of each stage writes its stage (``StageWriterView`` is what DeepSpeed's layer writer sees as the
-grid) and the lowest live rank writes ``latest``. The files are DeepSpeed's own:
-``engine.load_checkpoint(dir)`` reads them in any process.
+grid) and the lowest live rank writes ``latest`` (:mod:`ds_recycle.runtime.checkpoints`). The
+files are DeepSpeed's own: ``engine.load_checkpoint(dir)`` reads them in any process.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from ds_recycle.config import CheckpointConfig
+from deepspeed.runtime.pipe.engine import PipelineEngine
 
-LATEST = "latest"
+from ds_recycle.log import logger
+from ds_recycle.runtime import checkpoints, exit_guard, keys
 
 
 @dataclass(frozen=True)
@@ -34,24 +37,56 @@ def writer_view(grid, topology) -> StageWriterView:
     return StageWriterView(live.index(pipeline), len(live), topology)
 
 
-def latest_tag(config: CheckpointConfig | None) -> str | None:
-    """The tag of the latest complete checkpoint in ``config.dir``, or None."""
-    if config is None:
-        return None
-    path = os.path.join(config.dir, LATEST)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        tag = f.read().strip()
-    return tag or None
+class Checkpointer:
+    """Saves and resumes the engine's checkpoints (see the module doc). ``deepspeed_save`` is
+    DeepSpeed's own ``save_checkpoint`` of the engine."""
 
+    def __init__(self, engine: PipelineEngine, deepspeed_save: Callable) -> None:
+        self.engine = engine
+        """The :class:`~ds_recycle.engine.pipeline_engine.RecyclePipelineEngine` it saves."""
+        self.config = engine.recycle.checkpoint
+        self._save = deepspeed_save
 
-def write_latest(config_dir: str, tag: str) -> None:
-    partial = os.path.join(config_dir, LATEST + ".partial")
-    with open(partial, "w") as f:
-        f.write(tag)
-    os.replace(partial, os.path.join(config_dir, LATEST))
+    def save(self, save_dir, tag, client_state, save_latest: bool, exclude_frozen_parameters: bool):
+        engine = self.engine
+        tag = str(tag or f"global_step{engine.global_steps}")
+        if not engine.grid.failed:
+            saved = self._save(save_dir, tag, client_state, False, exclude_frozen_parameters)
+        else:
+            view = writer_view(engine.grid, engine.module._topo)
+            os.makedirs(save_dir, exist_ok=True)
+            writes, grid = engine.save_non_zero_checkpoint, engine.module._grid
+            engine.save_non_zero_checkpoint, engine.module._grid = view.data_parallel_id == 0, view
+            try:
+                saved = self._save(save_dir, tag, client_state, False, exclude_frozen_parameters)
+            finally:
+                engine.save_non_zero_checkpoint, engine.module._grid = writes, grid
+        if save_latest and engine.is_lowest_live_rank():
+            checkpoints.write_latest(save_dir, tag)
+        return saved
 
+    def save_if_due(self) -> None:
+        if checkpoints.due(self.config, self.engine.global_steps):
+            self.engine.save_checkpoint(self.config.dir)
 
-def due(config: CheckpointConfig | None, finished_iterations: int) -> bool:
-    return config is not None and finished_iterations > 0 and finished_iterations % config.interval == 0
+    def resume(self) -> None:
+        """At start: continue from the latest checkpoint in ``recycle.checkpoint.dir``, if any. In a
+        restart of the whole job (``DS_RECYCLE_RESUME=required``: generation > 0) there must be one:
+        without it the rank stops the job (exit 76) rather than train again from scratch."""
+        engine, config = self.engine, self.config
+        tag = checkpoints.latest_tag(config)
+        if tag is None and os.environ.get(keys.ENV_RESUME) == "required":
+            where = "no recycle.checkpoint is configured" if config is None else f"no checkpoint in {config.dir}"
+            logger.error(
+                f"ReCycle: slot {engine.slot}: the job restarts in generation {os.environ.get(keys.ENV_GENERATION)} "
+                f"(the coordinator's host died, or a stage lost every worker), but {where} to resume from: "
+                "the job stops here"
+            )
+            raise exit_guard.exit(keys.STOP_EXIT_CODE)
+        if tag is None:
+            return
+        engine.load_checkpoint(config.dir, tag)
+        logger.info(
+            f"ReCycle: slot {engine.slot} resumed from checkpoint {tag} in {config.dir} "
+            f"at iteration {engine.global_steps}"
+        )

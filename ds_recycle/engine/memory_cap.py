@@ -31,18 +31,12 @@ from ds_recycle.engine.held_memory import saved_by_graph, storage_bytes, storage
 from ds_recycle.engine.profile import exchange
 from ds_recycle.engine.timing import InstructionEvent
 from ds_recycle.planner.plan import BACKWARD_WEIGHT, FORWARD, Plan, Worker
-from ds_recycle.runtime.recovery import StageLostError
 
 GIB = 2**30
 UNBOUNDED = 2**31
 """The cap of a stage whose micro-batches hold nothing measurable."""
 AUDIT_ENV = "DS_RECYCLE_MEMORY_AUDIT"
 """Set to 1: every micro-batch is measured and each iteration logs its peak (tests)."""
-
-
-class MemoryCapError(StageLostError):
-    """The plan of a failure set cannot fit under the workers' memory: the job takes the
-    fallback of a lost stage (restart from the latest checkpoint, or stop)."""
 
 
 @dataclass(frozen=True)
@@ -168,10 +162,14 @@ def device_budget(device: torch.device) -> int | None:
 def agree_budget(
     row: BudgetRow, worker: Worker, pipelines: int, stages: int, all_reduce: Callable, device: object = "cpu"
 ) -> MemoryBudget | None:
-    """Every live worker's row (one all-reduce): a stage's per-micro-batch and static bytes are the
-    largest of its measured replicas', its limit the least. None while some stage has no measured
-    replica (every rank sees the same table, so every rank returns the same)."""
-    table = exchange(row.values(), worker, pipelines, stages, all_reduce, device)
+    """Every live worker's row (one all-reduce), read by :func:`budget_from_table`."""
+    return budget_from_table(exchange(row.values(), worker, pipelines, stages, all_reduce, device), pipelines, stages)
+
+
+def budget_from_table(table: list[list[float]], pipelines: int, stages: int) -> MemoryBudget | None:
+    """The budget of every worker's :class:`BudgetRow`: a stage's per-micro-batch and static bytes are
+    the largest of its measured replicas', its limit the least. None while some stage has no
+    measured replica (every rank sees the same table, so every rank returns the same)."""
     budget = []
     for s in range(stages):
         rows = [BudgetRow(*table[p * stages + s]) for p in range(pipelines)]

@@ -5,10 +5,10 @@ Every worker keeps the durations of its F, B, W and step (``StaggeredStep``) ove
 and at the first iteration of every membership epoch, at the start of the iteration, the live
 workers agree on them in an all-reduce over the world (:func:`agree`): each writes its own row
 (its medians) of a ``D*P`` table and zeros elsewhere, so the sum is every row exactly, on every
-rank, whatever the reduction order; a second one gives every rank the cost tracker's state of one
-worker (so that a joiner, or a rank whose last agreement completed while a peer's failed, holds
-the same state as the others). From that every rank derives the same :class:`AgreedProfile` and
-the same decision (:class:`CostTracker`), so every rank switches to the same plan at the same
+rank, whatever the reduction order; the same table carries every worker's cost tracker state, and
+every rank takes that of one worker (so that a joiner, or a rank whose last agreement completed
+while a peer's failed, holds the same state as the others). From that every rank derives the same
+:class:`AgreedProfile` and the same decision (:class:`CostTracker`), so every rank switches to the same plan at the same
 iteration.
 
 A stage's cost of a kind is the lower median of its replicas' medians (the faster of two, the
@@ -77,31 +77,50 @@ def exchange(
 ) -> list[list[float]]:
     """Every live worker's row, by ``pipeline * stages + stage``: ``all_reduce(tensor)`` sums the
     table in place (each rank fills only its own row, so the sum is exact on every rank)."""
-    table = torch.zeros(pipelines * stages, len(row), dtype=torch.float64, device=device)
-    table[worker[0] * stages + worker[1]] = torch.tensor(row, dtype=torch.float64, device=device)
+    return exchange_sections([row], worker, pipelines, stages, all_reduce, device)[0]
+
+
+def exchange_sections(
+    rows: list[list[float]], worker: Worker, pipelines: int, stages: int, all_reduce, device: object = "cpu"
+) -> list[list[list[float]]]:
+    """:func:`exchange` of several rows side by side in one all-reduce: one table per row."""
+    widths = [len(row) for row in rows]
+    table = torch.zeros(pipelines * stages, sum(widths), dtype=torch.float64, device=device)
+    table[worker[0] * stages + worker[1]] = torch.tensor([v for row in rows for v in row], dtype=torch.float64)
     all_reduce(table)
-    return table.tolist()
+    whole = table.tolist()
+    tables, start = [], 0
+    for width in widths:
+        tables.append([r[start : start + width] for r in whole])
+        start += width
+    return tables
+
+
+def agreement_row(tracker: CostTracker, times: list[float], pipelines: int) -> list[float]:
+    """This worker's part of a cost agreement: its measured row, whether its tracker took part in
+    an agreement before, and the tracker's state."""
+    return [*times, 1.0 if tracker.exchanges else 0.0, *tracker.state(pipelines)]
+
+
+def take_agreement(tracker: CostTracker, table: list[list[float]], pipelines: int, stages: int) -> AgreedProfile:
+    """The agreement in ``table`` (every worker's :func:`agreement_row`): every rank loads the tracker
+    state of the lowest worker that has taken part in an agreement before, so that a process that
+    joined (fresh state), or one whose last agreement completed while a peer's failed (one update
+    ahead), takes it over and the trackers never stay apart."""
+    leaders = [r for r in table if r[ROW] > 0]
+    if leaders:
+        tracker.load_state(leaders[0][ROW + 1 :], pipelines)
+    rows = [r[:ROW] for r in table]
+    return AgreedProfile.from_table(rows, pipelines, stages, tracker.stragglers, judged_after=tracker.config.window)
 
 
 def agree(
     tracker: CostTracker, row: list[float], worker: Worker, pipelines: int, stages: int, all_reduce, device="cpu"
 ) -> AgreedProfile:
-    """One agreement: every live worker's measurements, and the cost tracker's state, which every
-    rank then holds identically. The state is that of the lowest worker that has taken part in an
-    agreement before: a process that joined (fresh state) or one whose last agreement completed
-    while a peer's failed (one update ahead) takes it over, so the trackers never stay apart."""
-    table = exchange([*row, 1.0 if tracker.exchanges else 0.0], worker, pipelines, stages, all_reduce, device)
-    leaders = [i for i, r in enumerate(table) if r[ROW] > 0]
-    if leaders:
-        state = tracker.state(pipelines) if leaders[0] == worker[0] * stages + worker[1] else None
-        size = len(tracker.state(pipelines))
-        vector = torch.zeros(1, size, dtype=torch.float64, device=device)
-        if state is not None:
-            vector[0] = torch.tensor(state, dtype=torch.float64, device=device)
-        all_reduce(vector)
-        tracker.load_state(vector[0].tolist(), pipelines)
-    rows = [r[:ROW] for r in table]
-    return AgreedProfile.from_table(rows, pipelines, stages, tracker.stragglers, judged_after=tracker.config.window)
+    """One agreement on its own (one all-reduce): every live worker's measurements, and the cost
+    tracker's state, which every rank then holds identically (:func:`take_agreement`)."""
+    table = exchange(agreement_row(tracker, row, pipelines), worker, pipelines, stages, all_reduce, device)
+    return take_agreement(tracker, table, pipelines, stages)
 
 
 def _lower_median(values: list[float]) -> float:

@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ds_recycle.runtime.waiting import PeerFailure, Waiter
+from ds_recycle.errors import PeerFailure
+from ds_recycle.runtime.waiting import Waiter
 
 Worker = tuple[int, int]
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from deepspeed.runtime.pipe import schedule
 
 from ds_recycle.config import TimingEmulation
-from ds_recycle.instructions import BackwardInput, BackwardWeight, ForwardPass
+from ds_recycle.planner.actions import BackwardInput, BackwardWeight, ForwardPass
 
 _PADDED_KIND = {
     ForwardPass: "F",

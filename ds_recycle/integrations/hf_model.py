@@ -174,13 +174,10 @@ class DecoderLayerPipe(nn.Module):
 
         hidden, attention_mask = inputs
         position_ids = _position_ids(hidden)
-        mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=hidden,
-            attention_mask=attention_mask,
-            past_key_values=None,
-            position_ids=position_ids,
-        )
+        # No KV cache. The cache is the 4th argument, passed by position: transformers 5.24 renamed it
+        # from `past_key_values` to `cache` (the old name warns, FutureWarning, until its removal in
+        # 5.40), and 5.23 knows only the old one. The decoder layers' cache defaults to None.
+        mask = create_causal_mask(self.config, hidden, attention_mask, None, position_ids=position_ids)
         if self.rotary_emb is None:
             hidden = self.layer(hidden, None, mask, None, use_cache=False, position_ids=position_ids)
         else:
@@ -188,7 +185,6 @@ class DecoderLayerPipe(nn.Module):
                 hidden,
                 attention_mask=mask,
                 position_ids=position_ids,
-                past_key_values=None,
                 use_cache=False,
                 position_embeddings=self.rotary_emb(hidden, position_ids=position_ids),
             )

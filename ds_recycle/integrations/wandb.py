@@ -61,7 +61,7 @@ EVENT_COLUMNS = [
     "pipeline",
     "stage",
     "detection_s",
-    "rebuild_s",
+    "switch_s",
     "recovery_s",
     "rolled_back",
     "plan_id",
@@ -294,7 +294,7 @@ class WandbMonitor:
                         pipeline,
                         stage,
                         event.detection_seconds,
-                        event.rebuild_seconds,
+                        event.switch_seconds,
                         event.recovery_seconds,
                         event.rolled_back,
                         plan_id,
@@ -312,7 +312,7 @@ class WandbMonitor:
             "recycle/event/left": len(event.left),
             "recycle/event/joined": len(event.joined),
             "recycle/event/rolled_back": int(event.rolled_back),
-            "recycle/event/rebuild_s": event.rebuild_seconds,
+            "recycle/event/switch_s": event.switch_seconds,
         }
         if event.detection_seconds is not None:
             row["recycle/event/detection_s"] = event.detection_seconds

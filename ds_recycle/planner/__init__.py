@@ -1,8 +1,8 @@
 """The planner: Plan IR, scheduling for any failure set, validation and lowering.
 
 Names are imported lazily, so that ``import ds_recycle.planner`` stays cheap. No planner module
-imports DeepSpeed at import time: ``lower``, ``check_streams`` and ``validate(plan)`` (with its
-default ``streams=True``) import DeepSpeed's instruction classes when first called.
+imports DeepSpeed: the lowering's actions (:mod:`ds_recycle.planner.actions`) are the engine's
+instructions as they are.
 """
 
 from importlib import import_module

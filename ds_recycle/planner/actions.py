@@ -1,15 +1,16 @@
-"""The lowering's output: plain actions, one worker's program for one iteration.
+"""The lowering's output and the engine's instructions: one worker's program for one iteration.
 
-Pure data with no DeepSpeed in it; the engine maps each action to its instruction class
-(:func:`ds_recycle.instructions.to_instruction`). A micro-batch action names the micro-batch
-(``home`` pipeline, ``mb`` index) and its buffer slot; a transfer also names the peer worker
-``(pipeline, stage)``, which can be in another pipeline after a failure. ``str(action)`` is a
-compact label (``F(b0,h1,k2)``, ``SendActivation(b0,h1,k2->(1, 1))``).
+Pure data with no DeepSpeed in it. The engine runs the actions as they are: its instruction map
+is keyed on their classes and calls ``handler(engine, **action.kwargs)``, which is all DeepSpeed's
+``PipeInstruction`` gives an instruction (``name``, ``kwargs``, the same ``repr``). A micro-batch
+action names the micro-batch (``home`` pipeline, ``mb`` index) and its buffer slot; a transfer
+also names the peer worker ``(pipeline, stage)``, which can be in another pipeline after a
+failure. ``str(action)`` is a compact label (``F(b0,h1,k2)``, ``SendActivation(b0,h1,k2->(1, 1))``).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from ds_recycle.planner.plan import Worker
 
@@ -22,7 +23,8 @@ class Action:
 
     @property
     def kwargs(self) -> dict:
-        return asdict(self)
+        """The fields by name: the engine's handler of this action takes them as keywords."""
+        return dict(vars(self))
 
 
 @dataclass(frozen=True)
@@ -30,9 +32,6 @@ class MicroBatchAction(Action):
     buffer_id: int
     home: int
     mb: int
-
-    def key(self) -> tuple[str, int, int]:
-        return (self.name, self.home, self.mb)
 
     def __str__(self) -> str:
         return f"{self.name}(b{self.buffer_id},h{self.home},k{self.mb})"

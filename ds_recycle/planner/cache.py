@@ -16,15 +16,14 @@ import json
 import os
 import tempfile
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
 from ds_recycle.planner.heuristic import canonical_labels, plan_heuristic
-from ds_recycle.planner.list_scheduler import ScheduleOptions
 from ds_recycle.planner.lower_bound import check_survivors
 from ds_recycle.planner.normalize import canonical, invert, relabel
-from ds_recycle.planner.plan import CostModel, Plan, Worker
+from ds_recycle.planner.plan import Plan, Worker
 from ds_recycle.planner.request import PlanRequest
 
 MAX_RELABELLED = 4096
@@ -66,33 +65,13 @@ class PlanCache:
         )
         return key, permutation
 
-    def get(
-        self,
-        pipelines: int,
-        stages: int,
-        microbatches: int,
-        failed: Iterable[Worker] = (),
-        costs: CostModel | None = None,
-        memory_cap: int | None = None,
-        options: ScheduleOptions = ScheduleOptions(),
-    ) -> Plan | None:
-        """The cached plan for this request, or None."""
-        request = PlanRequest(pipelines, stages, microbatches, failed, costs, memory_cap, options)
+    def get(self, request: PlanRequest) -> Plan | None:
+        """The cached plan for ``request``, or None."""
         with self._lock:
             return self._get(request)
 
-    def get_or_plan(
-        self,
-        pipelines: int,
-        stages: int,
-        microbatches: int,
-        failed: Iterable[Worker] = (),
-        costs: CostModel | None = None,
-        memory_cap: int | None = None,
-        options: ScheduleOptions = ScheduleOptions(),
-    ) -> Plan:
-        """The cached plan for this request, planning (and storing) it on a miss."""
-        request = PlanRequest(pipelines, stages, microbatches, failed, costs, memory_cap, options)
+    def get_or_plan(self, request: PlanRequest) -> Plan:
+        """The cached plan for ``request``, planning (and storing) it on a miss."""
         with self._lock:
             plan = self._get(request)
             if plan is not None:
@@ -160,24 +139,6 @@ class PlanCache:
             self.relabelled.pop(next(iter(self.relabelled)))  # the oldest
         self.relabelled[(key, failed)] = plan
         return plan
-
-    def precompute(
-        self,
-        pipelines: int,
-        stages: int,
-        microbatches: int,
-        max_failures: int,
-        costs: CostModel | None = None,
-        memory_cap: int | None = None,
-        options: ScheduleOptions = ScheduleOptions(),
-    ) -> int:
-        """Plan every canonical failure set with 0..max_failures failed workers that leaves every
-        stage a survivor. Returns how many failure sets it covered."""
-        count = 0
-        for failed in canonical_failure_sets(pipelines, stages, max_failures):
-            self.get_or_plan(pipelines, stages, microbatches, failed, costs, memory_cap, options)
-            count += 1
-        return count
 
     def __len__(self) -> int:
         return len(self.memory)

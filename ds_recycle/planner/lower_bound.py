@@ -116,7 +116,7 @@ def lower_bound(
     pipelines: int,
     stages: int,
     microbatches: int,
-    failed: Iterable[Worker],
+    failed: Iterable[Worker] = (),
     costs: CostModel | None = None,
     memory_cap: int | None = None,
 ) -> float:
@@ -129,7 +129,7 @@ def lower_bound_parts(
     pipelines: int,
     stages: int,
     microbatches: int,
-    failed: Iterable[Worker],
+    failed: Iterable[Worker] = (),
     costs: CostModel | None = None,
     memory_cap: int | None = None,
 ) -> BoundParts:

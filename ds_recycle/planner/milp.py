@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 import mip
@@ -56,6 +57,7 @@ from ds_recycle.planner.plan import (
     Plan,
     Worker,
 )
+from ds_recycle.planner.request import PlanRequest
 from ds_recycle.planner.simulate import retime as sim_retime
 
 OpKey = tuple[str, int, int, int]
@@ -104,12 +106,12 @@ def plan_milp(
     pipelines: int,
     stages: int,
     microbatches: int,
-    failed: tuple[Worker, ...] | list[Worker] = (),
+    failed: Iterable[Worker] = (),
     costs: CostModel | None = None,
     memory_cap: int | None = None,
+    options: ScheduleOptions = ScheduleOptions(),
     time_limit: float = 10.0,
     warm_start: Plan | None = None,
-    options: ScheduleOptions = ScheduleOptions(),
     order_window: float | None = None,
     max_binaries: int = 4000,
     lns_share: float = 0.5,
@@ -123,18 +125,17 @@ def plan_milp(
     unless it would exceed ``max_binaries`` ordering/assignment binaries, in which case the
     window shrinks until it fits."""
     from ds_recycle.planner.heuristic import plan_heuristic
-    from ds_recycle.planner.lower_bound import lower_bound
+    from ds_recycle.planner.lower_bound import bound_parts
     from ds_recycle.planner.validator import validate
 
     began = time.perf_counter()
-    costs = costs or CostModel.uniform(stages)
-    failed = tuple(sorted({(int(p), int(s)) for p, s in failed}))
-    if memory_cap is None:
-        memory_cap = warm_start.memory_cap if warm_start is not None else stages
-    bound = lower_bound(pipelines, stages, microbatches, failed, costs, memory_cap)  # raises NoSurvivorError
+    if memory_cap is None and warm_start is not None:
+        memory_cap = warm_start.memory_cap
+    request = PlanRequest(pipelines, stages, microbatches, failed, costs, memory_cap, options)
+    failed, costs, cap = request.failed, request.costs, request.memory_cap
+    bound = bound_parts(request).value  # raises NoSurvivorError
     if warm_start is None:
-        warm_start = plan_heuristic(pipelines, stages, microbatches, failed, costs, memory_cap, options=options)
-    cap = memory_cap
+        warm_start = plan_heuristic(pipelines, stages, microbatches, failed, costs, cap, options)
     _check_warm_start(warm_start, pipelines, stages, microbatches, failed, costs, cap)
     validate(warm_start)
     warm_time = _makespan(warm_start.workers)

@@ -15,37 +15,24 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 from ds_recycle.log import logger
 from ds_recycle.planner.cache import PlanCache
-from ds_recycle.planner.list_scheduler import ScheduleOptions
-from ds_recycle.planner.plan import CostModel, Worker
+from ds_recycle.planner.plan import Worker
 from ds_recycle.planner.request import PlanRequest
 
-
-@dataclass(frozen=True)
-class PrefetchRequest:
-    pipelines: int
-    stages: int
-    microbatches: int
-    failed: tuple[Worker, ...]
-    costs: CostModel
-    options: ScheduleOptions
-    nodes: tuple[tuple[Worker, ...], ...] = ()
-    """The workers of each node, when the job runs on several (empty: one node)."""
-    memory_cap: int | None = None
-    """The planner's cap of micro-batches in flight per worker (None: its default)."""
+Nodes = tuple[tuple[Worker, ...], ...]
+"""The workers of each node, when the job runs on several (empty: one node)."""
 
 
-def next_failure_sets(request: PrefetchRequest) -> Iterator[tuple[Worker, ...]]:
-    """Every failure set one worker or one node beyond ``request.failed`` that leaves each stage a
-    live worker, each once, single workers first."""
+def next_failure_sets(request: PlanRequest, nodes: Nodes = ()) -> Iterator[tuple[Worker, ...]]:
+    """Every failure set one worker or one node of ``nodes`` beyond ``request.failed`` that leaves
+    each stage a live worker, each once, single workers first."""
     D, P = request.pipelines, request.stages
     failed = set(request.failed)
     seen: set[tuple[Worker, ...]] = set()
     candidates = [{(p, s)} for s in range(P) for p in range(D) if (p, s) not in failed]
-    candidates += [set(node) - failed for node in request.nodes]
+    candidates += [set(node) - failed for node in nodes]
     for extra in candidates:
         workers = tuple(sorted(failed | extra))
         if not extra or workers in seen:
@@ -66,16 +53,17 @@ class PlanPrefetcher:
         that differs by a relabelling of the pipelines, shares its plan)."""
         self.seconds = 0.0
         """Time spent on them."""
-        self.done: PrefetchRequest | None = None
+        self.done: PlanRequest | None = None
         """The last request covered to its end."""
-        self._latest: PrefetchRequest | None = None
+        self._latest: tuple[PlanRequest, Nodes] | None = None
         self._wake = threading.Event()
         self._idle = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def request(self, request: PrefetchRequest) -> None:
-        """Cover ``request`` (dropping the rest of an earlier one)."""
-        self._latest = request
+    def request(self, request: PlanRequest, nodes: Nodes = ()) -> None:
+        """Cover the next failures of ``request`` on ``nodes`` (dropping the rest of an earlier
+        request)."""
+        self._latest = (request, tuple(tuple(node) for node in nodes))
         self._idle.clear()
         self._wake.set()
         if self._thread is None:
@@ -90,29 +78,20 @@ class PlanPrefetcher:
         while True:
             self._wake.wait()
             self._wake.clear()
-            request = self._latest
-            if request is None or self._cover(request):
-                self.done = request
-                if self._latest is request:
+            latest = self._latest
+            if latest is None or self._cover(latest):
+                self.done = None if latest is None else latest[0]
+                if self._latest is latest:
                     self._idle.set()
 
-    def _cover(self, request: PrefetchRequest) -> bool:
-        for failed in next_failure_sets(request):
-            if self._latest is not request:
+    def _cover(self, latest: tuple[PlanRequest, Nodes]) -> bool:
+        request, nodes = latest
+        for failed in next_failure_sets(request, nodes):
+            if self._latest is not latest:
                 return False
             began = time.perf_counter()
             try:
-                planned = self.cache.ensure(
-                    PlanRequest(
-                        request.pipelines,
-                        request.stages,
-                        request.microbatches,
-                        failed,
-                        request.costs,
-                        request.memory_cap,
-                        request.options,
-                    )
-                )
+                planned = self.cache.ensure(request.with_failed(failed))
             except ValueError as error:  # no plan for this set: the failure path will say so itself
                 logger.debug(f"ReCycle: no plan prefetched for failed {list(failed)}: {error}")
                 continue

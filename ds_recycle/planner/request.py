@@ -1,14 +1,17 @@
-"""PlanRequest: one planning problem, the parameter group the planner's entry points share.
+"""PlanRequest: one planning problem, the one value that names it.
 
-``plan_heuristic``, ``lower_bound`` and :class:`~ds_recycle.planner.cache.PlanCache` keep their
-plain signatures (``(pipelines, stages, microbatches, failed, costs, memory_cap, options)``); each
-turns its arguments into a PlanRequest, which fills in the defaults and checks them in one place.
+:class:`~ds_recycle.planner.cache.PlanCache` and
+:class:`~ds_recycle.planner.prefetch.PlanPrefetcher` take a PlanRequest. The planner functions
+(``plan_heuristic``, ``plan_milp``, ``lower_bound``) take plain parameters whose first ones are
+PlanRequest's fields in the same order (``pipelines, stages, microbatches, failed, costs,
+memory_cap, options``), so ``PlanRequest(*args)`` and ``plan_heuristic(*args)`` read alike; each
+builds a PlanRequest, which fills in the defaults and checks them in one place.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ds_recycle.planner.list_scheduler import ScheduleOptions
 from ds_recycle.planner.plan import CostModel, Worker
@@ -45,3 +48,7 @@ class PlanRequest:
         object.__setattr__(self, "failed", tuple(sorted({(int(p), int(s)) for p, s in self.failed})))
         object.__setattr__(self, "costs", costs)
         object.__setattr__(self, "memory_cap", cap)
+
+    def with_failed(self, failed: Iterable[Worker]) -> PlanRequest:
+        """This request for the failure set ``failed`` instead."""
+        return replace(self, failed=failed)

@@ -27,13 +27,6 @@ class SimResult:
     steady_state_period: float
     """Time between the ends of consecutive iterations once the transient has passed."""
     iteration_ends: list[float]
-    busy: dict[Worker, float]
-    """Compute time of each worker in one iteration (F+B+W+S)."""
-
-    @property
-    def bubble_fraction(self) -> float:
-        total = self.makespan * len(self.busy)
-        return 1.0 - sum(self.busy.values()) / total if total else 0.0
 
 
 def simulate(
@@ -68,8 +61,7 @@ def retime_and_simulate(
     else:
         half = (iterations - 1) // 2
         period = (ends[-1] - ends[half]) / (iterations - 1 - half)
-    busy = {w: sum(op.end - op.start for op in ops) for w, ops in plan.workers.items()}
-    return replace(plan, workers=workers, iteration_time=ends[0]), SimResult(ends[0], period, ends, busy)
+    return replace(plan, workers=workers, iteration_time=ends[0]), SimResult(ends[0], period, ends)
 
 
 def retime(plan: Plan, staggered: bool | None = None, decoupled: bool | None = None) -> Plan:

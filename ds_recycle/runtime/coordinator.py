@@ -28,7 +28,7 @@ Each tick it:
    a member with no heartbeat ``startup_timeout`` seconds after its start is declared failed too.
 
 The coordinator never decides membership itself: the members do, at iteration boundaries, from
-``pending`` (see protocol.py). "Member" here always means a member of the epoch in
+``pending`` (see keys.py). "Member" here always means a member of the epoch in
 ``current_epoch``, read fresh from the store.
 """
 
@@ -43,9 +43,27 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ds_recycle.runtime import protocol as proto
+from ds_recycle.runtime import keys, policy
 from ds_recycle.runtime.beats import read_beats
-from ds_recycle.runtime.protocol import AgentReport, Beat, Change, KillOrder, Lease, Membership, Request
+from ds_recycle.runtime.c10d_store import C10dJobStore
+from ds_recycle.runtime.job_store import JobStore
+from ds_recycle.runtime.records import (
+    FAILED,
+    JOIN,
+    LEAVE,
+    MOVE,
+    OUT_KINDS,
+    PROBE,
+    REQUEST_KINDS,
+    RETIRED,
+    AgentReport,
+    Beat,
+    Change,
+    KillOrder,
+    Lease,
+    Membership,
+    Request,
+)
 
 RENEW_MAX_SECONDS = 0.25
 """An agent renews its node's lease every fifth of the lease timeout, at least every 0.25 s: a node's
@@ -77,7 +95,7 @@ after this long the index is skipped, so one dead poster cannot stall every late
 class HeartbeatPolicy:
     """When a member's heartbeat is stale. Trainers beat every 0.1 s (membership.HEARTBEAT_SECONDS)."""
 
-    min_timeout: float = proto.HEARTBEAT_MIN_TIMEOUT_SECONDS
+    min_timeout: float = keys.HEARTBEAT_MIN_TIMEOUT_SECONDS
     """T_min: never declare a member dead sooner than this after its last heartbeat. A heartbeat is
     a Python thread: a rank whose main thread holds the GIL in a long C call (pickling a checkpoint,
     importing a large package) or a host under load can skip beats for seconds without being hung."""
@@ -211,10 +229,9 @@ class Coordinator:
         self._job_heartbeats = False
         self._last_heartbeat_check = 0.0
         self._heartbeat_scan_seconds = HEARTBEAT_CHECK_SECONDS
-        self._store = None
-        self._query = proto.connect(
-            f"{host}:{port}", generation, STORE_OP_SECONDS
-        )  # for membership() from other threads
+        self._store: JobStore | None = None
+        self._query = C10dJobStore.connect(f"{host}:{port}", generation, STORE_OP_SECONDS)
+        """For :meth:`membership` from other threads."""
         self._query_lock = threading.Lock()
         self.error: BaseException | None = None
         """The last error of a tick (the coordinator logs it and retries)."""
@@ -225,10 +242,9 @@ class Coordinator:
     def start(self) -> None:
         if self._thread is not None:
             raise RuntimeError(f"the coordinator of generation {self.generation} is running already")
-        self._store = proto.connect(f"{self.host}:{self.port}", self.generation, STORE_OP_SECONDS)
-        self._pending = proto.read_pending(self._store)
-        for counter in (proto.REQUEST_COUNT, proto.REPORT_COUNT):
-            self._store.add(counter, 0)  # both exist from now on: each tick reads them in one go
+        self._store = C10dJobStore.connect(f"{self.host}:{self.port}", self.generation, STORE_OP_SECONDS)
+        self._pending = self._store.changes()
+        self._store.open_inboxes()  # each tick reads both counters in one go
         self._thread = threading.Thread(target=self._run, name=f"recycle-coordinator-{self.generation}", daemon=True)
         self._thread.start()
 
@@ -263,7 +279,7 @@ class Coordinator:
         """The slot that ``slot``'s device now serves, if ``slot`` left by a decided move (its last
         change is a ``move`` and the current epoch no longer has it); else None."""
         last = self._last_change(slot)
-        if last is None or last.kind != proto.MOVE or slot in self.membership().members:
+        if last is None or last.kind != MOVE or slot in self.membership().members:
             return None
         return last.target
 
@@ -275,7 +291,7 @@ class Coordinator:
     def membership(self) -> Membership:
         """The current epoch's membership, read fresh from the store."""
         with self._query_lock:
-            return proto.read_membership(self._query)
+            return self._query.membership()
 
     def pending(self) -> list[Change]:
         with self._lock:
@@ -302,7 +318,7 @@ class Coordinator:
             self._wake.clear()
 
     def _tick(self) -> None:
-        requests, reports = (int(v) for v in self._store.multi_get([proto.REQUEST_COUNT, proto.REPORT_COUNT]))
+        requests, reports = self._store.inbox_counts()
         if self.nodes.count > 1:
             self._poll_reports(reports)
             if time.monotonic() - self._last_lease_check >= LEASE_CHECK_SECONDS:
@@ -334,27 +350,27 @@ class Coordinator:
     def _drain_retired(self) -> None:
         while True:
             # The launcher queues a rank's exit before its retirement: published first, so that the
-            # slot's last change is its retirement (proto.retired_slots), even for an exit queued
+            # slot's last change is its retirement (policy.retired_slots), even for an exit queued
             # after this tick drained the exits.
             self._drain_exits()
             try:
                 slot, why = self._retired.get_nowait()
             except queue.Empty:
                 return
-            self._append(proto.RETIRED, slot, time.time(), why)
+            self._append(RETIRED, slot, time.time(), why)
             self._log(f"slot {slot} retired ({why}): a migration may fill it")
             self._emit("retired", slot=slot, why=why)
 
     def _on_exit(self, exit: RankExit) -> None:
-        if exit.returncode == 0 or exit.returncode == proto.RESTART_EXIT_CODE:
+        if exit.returncode == 0 or exit.returncode == keys.RESTART_EXIT_CODE:
             return
         with self._lock:
             latest = self._incarnations.get(exit.slot)
         if latest is not None and latest.number != exit.incarnation:
             return  # an earlier process of the slot, reaped after its successor started
-        membership = proto.read_membership(self._store)
+        membership = self._store.membership()
         last = self._last_change(exit.slot)
-        joining = exit.slot not in membership.members and last is not None and last.kind == proto.JOIN
+        joining = exit.slot not in membership.members and last is not None and last.kind == JOIN
         # A leaver taken out by the latest decision may not have finished the iteration that
         # decision closed (the members that reached the boundary first decided it): a peer may still
         # be sending to it or waiting for it. Its death (not exit 0) is a failure of that iteration,
@@ -363,23 +379,23 @@ class Coordinator:
         left_last = (
             exit.slot not in membership.members
             and last is not None
-            and last.kind == proto.LEAVE
-            and exit.slot in proto.left_at_boundary(membership, self._store)
+            and last.kind == LEAVE
+            and exit.slot in self._store.left_at_boundary(membership)
         )
         if not joining and not left_last and exit.slot not in membership.members:
             return
-        if last is not None and last.kind == proto.FAILED and exit.slot in membership.members:
+        if last is not None and last.kind == FAILED and exit.slot in membership.members:
             return
         # A leaver that dies before its boundary is failed like any other member: its peers may be
         # waiting on it in the iteration it was to finish. A joiner that dies before its join is
         # decided is failed too: the decision that admits it also removes it (the members may have
         # decided the join already, hence the alert; members not running with it ignore it).
-        why = exit.describe() + (" while leaving" if last is not None and last.kind == proto.LEAVE else "")
+        why = exit.describe() + (" while leaving" if last is not None and last.kind == LEAVE else "")
         why += " (its leave was decided; its last iteration may not have been finished)" if left_last else ""
-        why += f" while moving to slot {last.target}" if last is not None and last.kind == proto.MOVE else ""
-        why += ": it gave up its join" if exit.returncode == proto.JOIN_GIVEN_UP_EXIT_CODE else ""
+        why += f" while moving to slot {last.target}" if last is not None and last.kind == MOVE else ""
+        why += ": it gave up its join" if exit.returncode == keys.JOIN_GIVEN_UP_EXIT_CODE else ""
         why += " while its join was pending" if joining else ""
-        self._append(proto.FAILED, exit.slot, exit.observed, why)
+        self._append(FAILED, exit.slot, exit.observed, why)
         latency_ms = 1000 * (time.time() - exit.observed)
         self._log(
             f"published failure of slot {exit.slot} ({why}) in epoch {membership.epoch}, "
@@ -391,8 +407,8 @@ class Coordinator:
 
     def _poll_requests(self, count: int) -> None:
         while self._next_request <= count:
-            key = proto.request_key(self._next_request)
-            if not self._store.check([key]):
+            text = self._store.posted_request(self._next_request)
+            if text is None:
                 now = time.monotonic()
                 if self._missing_since is None:
                     self._missing_since = now
@@ -401,7 +417,7 @@ class Coordinator:
                 self._log(f"skipped request {self._next_request}: counted but never written")
                 self._emit("skipped_request", index=self._next_request)
             else:
-                self._handle_request(self._next_request, self._store.get(key))
+                self._handle_request(self._next_request, text)
             self._missing_since = None
             self._next_request += 1
 
@@ -418,16 +434,16 @@ class Coordinator:
             self._log(f"refused {who}: {reason}")
             self._emit("refused", index=index, kind=request.kind, slot=request.slot, pid=request.pid, reason=reason)
             return
-        if request.kind == proto.PROBE:
+        if request.kind == PROBE:
             self._answer_probe(request)
             return
-        if request.kind == proto.JOIN and self.nodes.count > 1:
+        if request.kind == JOIN and self.nodes.count > 1:
             self._hold_join(request)
             return
-        if request.kind == proto.MOVE:
-            self._append(proto.MOVE, request.slot, request.time, f"to slot {request.target}", target=request.target)
+        if request.kind == MOVE:
+            self._append(MOVE, request.slot, request.time, f"to slot {request.target}", target=request.target)
             self._log(f"accepted move of slot {request.slot} to slot {request.target} (pid {request.pid})")
-            self._emit("accepted", kind=proto.MOVE, slot=request.slot, pid=request.pid, target=request.target)
+            self._emit("accepted", kind=MOVE, slot=request.slot, pid=request.pid, target=request.target)
             return
         self._append(request.kind, request.slot, request.time, f"pid {request.pid}")
         self._log(f"accepted {request.kind} of slot {request.slot} (pid {request.pid})")
@@ -444,17 +460,17 @@ class Coordinator:
         held = self._held_joins.get(node)
         if not held:
             return
-        members = proto.read_membership(self._store).members
+        members = self._store.membership().members
         waiting_for = [s for s in self.nodes.slots(node) if s not in members and s not in held]
         first = min(since for _, since in held.values())
         if waiting_for and (now or time.monotonic()) - first < JOIN_BATCH_SECONDS:
             return
         requests = [request for request, _ in held.values()]
         del self._held_joins[node]
-        self._append_all([(proto.JOIN, r.slot, r.time, f"pid {r.pid}") for r in requests])
+        self._append_all([(JOIN, r.slot, r.time, f"pid {r.pid}") for r in requests])
         for r in requests:
             self._log(f"accepted join of slot {r.slot} (pid {r.pid})")
-            self._emit("accepted", kind=proto.JOIN, slot=r.slot, pid=r.pid)
+            self._emit("accepted", kind=JOIN, slot=r.slot, pid=r.pid)
         if len(requests) > 1:
             self._log(f"node {node}: joins of slots {sorted(r.slot for r in requests)} accepted in one change")
 
@@ -462,27 +478,27 @@ class Coordinator:
         """Why ``request`` is refused, or "" if it is valid."""
         if not hmac.compare_digest(request.token.encode(), self.token.encode()):
             return "wrong token"
-        if request.kind not in proto.REQUEST_KINDS:
-            return f"unknown kind {request.kind!r} (allowed: {', '.join(proto.REQUEST_KINDS)})"
+        if request.kind not in REQUEST_KINDS:
+            return f"unknown kind {request.kind!r} (allowed: {', '.join(REQUEST_KINDS)})"
         if not 0 <= request.slot < self.world_size:
             return f"slot out of range (0..{self.world_size - 1})"
-        member = request.slot in proto.read_membership(self._store).members
-        if request.kind == proto.PROBE:
+        member = request.slot in self._store.membership().members
+        if request.kind == PROBE:
             return "" if member else "not a member of the current epoch"
         last = self._last_change(request.slot)
-        leaving = last is not None and last.kind in proto.OUT_KINDS
-        out = {proto.FAILED: "failed", proto.LEAVE: "leaving", proto.MOVE: "moving"}
-        if request.kind in (proto.LEAVE, proto.MOVE):
+        leaving = last is not None and last.kind in OUT_KINDS
+        out = {FAILED: "failed", LEAVE: "leaving", MOVE: "moving"}
+        if request.kind in (LEAVE, MOVE):
             if not member:
                 return "not a member of the current epoch"
             if leaving:
                 return f"already {out[last.kind]}"
-            return self._move_refusal(request) if request.kind == proto.MOVE else ""
+            return self._move_refusal(request) if request.kind == MOVE else ""
         if member:
             # Even when its failure or leave is pending: the joiner would see its slot in the current
             # epoch and take the epoch of its predecessor for its own. It joins once that is decided.
             return "still a member of the current epoch (post the join once an epoch without it is decided)"
-        if (last is not None and last.kind == proto.JOIN) or request.slot in self._held_joins.get(
+        if (last is not None and last.kind == JOIN) or request.slot in self._held_joins.get(
             self.nodes.node_of(request.slot), {}
         ):
             return "a join of this slot is already pending"
@@ -493,7 +509,7 @@ class Coordinator:
         if target is None or not 0 <= target < self.world_size:
             return f"move target {target} out of range (0..{self.world_size - 1})"
         with self._lock:
-            retired = proto.retired_slots(self._pending)
+            retired = policy.retired_slots(self._pending)
         if target not in retired:
             return f"slot {target} is not retired, or another move fills it (retired: {sorted(retired)})"
         node, target_node = self.nodes.node_of(request.slot), self.nodes.node_of(target)
@@ -506,11 +522,10 @@ class Coordinator:
     def _poll_reports(self, count: int) -> None:
         """Starts and exits that other nodes' agents saw (their waitpid), as if seen here."""
         while self._next_report <= count:
-            key = proto.report_key(self._next_report)
-            if not self._store.check([key]):
+            report = self._store.report(self._next_report)
+            if report is None:
                 return  # counted, not yet written
             self._next_report += 1
-            report = AgentReport.from_json(self._store.get(key))
             why = self._report_refusal(report)
             if why:
                 self._log(f"refused report of node {report.node}: {why}")
@@ -558,16 +573,15 @@ class Coordinator:
 
     def _current_membership(self) -> Membership:
         """The current epoch's membership: one read of ``current_epoch``, the record only when it moved."""
-        epoch = int(self._store.get(proto.CURRENT_EPOCH))
+        epoch = self._store.current_epoch()
         if self._membership is None or self._membership.epoch != epoch:
-            self._membership = proto.read_membership(self._store, epoch)
+            self._membership = self._store.membership(epoch)
         return self._membership
 
     def _read_leases(self) -> dict[int, Lease]:
         """Every other node's lease (a node that has none yet is left out); kept for the beats."""
         nodes = [node for node in range(self.nodes.count) if node != self.local_node]
-        values = proto.read_present(self._store, [proto.lease_key(node) for node in nodes])
-        self._leases = {node: Lease.from_json(v) for node, v in zip(nodes, values, strict=True) if v is not None}
+        self._leases = self._store.leases(nodes)
         return self._leases
 
     def _renew_local_lease(self) -> None:
@@ -579,7 +593,7 @@ class Coordinator:
             return
         self._last_local_lease = time.monotonic()
         lease = Lease(0, time.time(), read_beats(self.beats_dir, self.nodes.slots(self.local_node)))
-        self._store.set(proto.lease_key(self.local_node), lease.to_json())
+        self._store.renew_lease(self.local_node, lease)
 
     def _beats(self) -> dict[int, tuple[Beat, float]]:
         """Every rank's last beat, with the time it is judged at: this node's from its files (now),
@@ -595,7 +609,7 @@ class Coordinator:
         return beats
 
     def _fail_node(self, node: int, detail: str) -> None:
-        membership = proto.read_membership(self._store)
+        membership = self._store.membership()
         slots = [slot for slot in self.nodes.slots(node) if slot in membership.members and not self._failed(slot)]
         with self._lock:
             for slot in self.nodes.slots(node):
@@ -603,40 +617,39 @@ class Coordinator:
                     self._incarnations[slot].running = False
         joining = [slot for slot in self.nodes.slots(node) if self._join_pending(slot, membership)]
         now = time.time()
-        self._append_all([(proto.FAILED, slot, now, detail) for slot in slots + joining])
+        self._append_all([(FAILED, slot, now, detail) for slot in slots + joining])
         self._log(f"published failure of node {node}: slots {slots + joining} in one change ({detail})")
         for slot in slots + joining:
             self._emit("published_failure", slot=slot, cause="node", why=detail, epoch=membership.epoch, node=node)
 
     def _join_pending(self, slot: int, membership: Membership) -> bool:
         last = self._last_change(slot)
-        return slot not in membership.members and last is not None and last.kind == proto.JOIN
+        return slot not in membership.members and last is not None and last.kind == JOIN
 
     def _failed(self, slot: int) -> bool:
         last = self._last_change(slot)
-        return last is not None and last.kind == proto.FAILED
+        return last is not None and last.kind == FAILED
 
     def _kill_rank(self, slot: int, incarnation: int) -> None:
         node = self.nodes.node_of(slot)
         if node == self.local_node:
             self._kill(slot, incarnation)
             return
-        index = int(self._store.add(proto.kill_count_key(node), 1))
-        self._store.set(proto.kill_key(node, index), KillOrder(slot, incarnation).to_json())
+        self._store.order_kill(node, KillOrder(slot, incarnation))
 
     def _answer_probe(self, request: Request) -> None:
         """A member's peer stopped answering and no failure was published: every member whose
         process has ended (whatever its code: a member that exits 0 before the job is finished
         leaves its peers waiting too) is published as failed."""
-        membership = proto.read_membership(self._store)
+        membership = self._store.membership()
         ended = []
         for slot in membership.members:
             with self._lock:
                 incarnation = self._incarnations.get(slot)
             last = self._last_change(slot)
-            if incarnation is not None and not incarnation.running and not (last and last.kind == proto.FAILED):
+            if incarnation is not None and not incarnation.running and not (last and last.kind == FAILED):
                 ended.append(slot)
-                self._append(proto.FAILED, slot, time.time(), "ended while still a member")
+                self._append(FAILED, slot, time.time(), "ended while still a member")
                 why = "ended while still a member"
                 self._emit("published_failure", slot=slot, cause="probe", why=why, epoch=membership.epoch)
         if self.nodes.count > 1:
@@ -688,7 +701,7 @@ class Coordinator:
         self._last_beat[slot] = (incarnation, beat)
 
     def _declare_hung(self, slot: int, incarnation: int, detail: str, epoch: int) -> None:
-        self._append(proto.FAILED, slot, time.time(), detail)
+        self._append(FAILED, slot, time.time(), detail)
         self._log(f"published failure of slot {slot}: {detail}; killing its process")
         self._emit("published_failure", slot=slot, cause="heartbeat", why=detail, epoch=epoch)
         self._kill_rank(slot, incarnation)
@@ -710,7 +723,7 @@ class Coordinator:
             for kind, slot, when, detail, *target in changes:
                 self._pending.append(Change(len(self._pending), kind, slot, when, detail, *target))
             new = self._pending[start:]
-        proto.append_changes(self._store, start, new, self.nodes.count)
+        self._store.append_changes(start, new, self.nodes.count)
 
     def _last_change(self, slot: int) -> Change | None:
         with self._lock:
@@ -722,7 +735,7 @@ class Coordinator:
     def _out(self, slot: int) -> bool:
         """The slot's last change is a failure, a leave or a move: it is on its way out already."""
         last = self._last_change(slot)
-        return last is not None and last.kind in proto.OUT_KINDS
+        return last is not None and last.kind in OUT_KINDS
 
 
 def _ignore(event: str, **fields: object) -> None:

@@ -16,7 +16,7 @@ import deepspeed
 import torch.distributed as dist
 
 from ds_recycle.log import logger
-from ds_recycle.runtime import protocol as proto
+from ds_recycle.runtime import keys
 from ds_recycle.runtime.groups import GROUP_TIMEOUT_SECONDS, rebuild_world
 from ds_recycle.runtime.membership import MembershipAgent
 
@@ -45,7 +45,7 @@ def init_distributed(dist_backend: str = "gloo", timeout: float = GROUP_TIMEOUT_
         if membership.epoch != 0 or len(membership.members) != world_size:
             raise RuntimeError(
                 f"slot {_agent.slot} started as incarnation 0 but the job is at epoch {membership.epoch}; "
-                f"a process entering a running job must be started with {proto.ENV_INCARNATION} > 0 "
+                f"a process entering a running job must be started with {keys.ENV_INCARNATION} > 0 "
                 "(ds-recycle launch --respawn does this)"
             )
         rebuild_world(_agent.store, membership, _agent.slot, timeout)

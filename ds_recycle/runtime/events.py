@@ -45,7 +45,7 @@ class MembershipChange:
     joined: tuple[tuple[int, int], ...] = ()
     detection_seconds: float | None = None
     """From the failure (or the leave/join request) to the members' decision."""
-    rebuild_seconds: float = 0.0
+    switch_seconds: float = 0.0
     """Groups rebuilt, state copied to joiners, plan looked up."""
     recovery_seconds: float | None = None
     """From the failure to running on the new plan."""

@@ -12,7 +12,7 @@ is destroyed and the groups it does not keep go to a graveyard, never reused and
 from a thread that might block on them (docs/design.md, "Process groups"). A stage's or a
 pipeline's group is kept from epoch to epoch (:class:`KeptGroup`: taken out of torch's registry
 before the world is left and registered again with the new world's ranks) unless the decision that
-made the epoch remakes its role (:func:`~ds_recycle.runtime.protocol.groups_to_remake`): a member
+made the epoch remakes its role (:func:`~ds_recycle.runtime.policy.groups_to_remake`): a member
 left, failed or joined, or, after a failure, its survivors do not all report the same collectives
 posted on it (one that only some posted is stuck on the group, and would meet a later one). A
 stage's or pipeline's group is made by its members alone, on a store connection of its own, so that
@@ -52,8 +52,10 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ds_recycle.planner.plan import Worker
-from ds_recycle.runtime import protocol as proto
-from ds_recycle.runtime.protocol import Decision, GroupRoles, GroupState, Membership
+from ds_recycle.runtime.job_store import JobStore
+from ds_recycle.runtime.keys import world_prefix
+from ds_recycle.runtime.policy import GroupRoles
+from ds_recycle.runtime.records import Decision, GroupState, Membership
 from ds_recycle.runtime.waiting import WAIT_BOUND_SECONDS
 
 GROUP_TIMEOUT_SECONDS = WAIT_BOUND_SECONDS
@@ -94,16 +96,21 @@ def new_group(ranks: list[int], timeout: float):
 
 
 def rebuild_world(
-    store, membership: Membership, slot: int, timeout: float = GROUP_TIMEOUT_SECONDS, kept: Iterable[KeptGroup] = ()
+    store: JobStore,
+    membership: Membership,
+    slot: int,
+    timeout: float = GROUP_TIMEOUT_SECONDS,
+    kept: Iterable[KeptGroup] = (),
 ) -> None:
     """Leave the current world (if any) and join the world of ``membership`` on its own prefix.
     Returns at once: the world connects lazily. ``kept``: groups of the current world that the new
     one keeps (:meth:`RecycleGrid.keep`): they are taken out of torch's registry before it leaves
     the world, which would shut them down, and :meth:`RecycleGrid.build` registers them again.
 
-    The world gets its own connection to the store (``store.clone()``): gloo looks up a peer's
-    address in its own threads, and a lookup of a dead peer's address blocks its connection until
-    the group timeout; on the caller's connection it would block the membership protocol too."""
+    The world gets its own connection to the store (:meth:`JobStore.world_rendezvous`): gloo looks
+    up a peer's address in its own threads, and a lookup of a dead peer's address blocks its
+    connection until the group timeout; on the caller's connection it would block the membership
+    protocol too."""
     if dist.is_initialized():  # the previous epoch's, or a joiner's fake world
         bury(c10d._world.pg_map.keys())
         for group in kept:
@@ -116,7 +123,7 @@ def rebuild_world(
     with lazy_connections():
         dist.init_process_group(
             "gloo",
-            store=dist.PrefixStore(proto.world_prefix(membership.epoch), store.clone()),
+            store=store.world_rendezvous(membership.epoch),
             rank=membership.members.index(slot),
             world_size=len(membership.members),
             timeout=datetime.timedelta(seconds=timeout),
@@ -439,7 +446,7 @@ class RecycleGrid:
         if world_rank not in ranks:
             return dist.GroupMember.NON_GROUP_MEMBER
         shared = c10d._get_default_store()
-        store = dist.PrefixStore(proto.world_prefix(self.membership.epoch), shared.underlying_store.clone())
+        store = dist.PrefixStore(world_prefix(self.membership.epoch), shared.underlying_store.clone())
         made = (role, self.membership.epoch)
         _groups_made[made] = _groups_made.get(made, 0) + 1
         name = f"{MADE_NAME}_{role}_{self.membership.epoch}_{_groups_made[made]}"

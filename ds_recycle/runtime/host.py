@@ -31,9 +31,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ds_recycle.runtime import protocol as proto
+from ds_recycle.runtime import keys, transport
+from ds_recycle.runtime.c10d_store import C10dJobStore, C10dStoreRoot
 from ds_recycle.runtime.coordinator import Coordinator, HeartbeatPolicy, NodeLayout
-from ds_recycle.runtime.protocol import CheckIn, Lease, Membership
+from ds_recycle.runtime.job_store import JobStore, StoreRoot
+from ds_recycle.runtime.records import CheckIn
 from ds_recycle.runtime.status import StatusServer
 
 CHECK_IN_POLL_SECONDS = 0.05
@@ -130,8 +132,8 @@ class CoordinatorHost:
         self._log, self._emit = log, emit
         self._kill = kill or _no_local_ranks
         self._server = None
-        self._root = None
-        self._store = None
+        self._root: StoreRoot | None = None
+        self._store: JobStore | None = None
         """A client under the running generation's prefix."""
         self.coordinator: Coordinator | None = None
         self.status: StatusServer | None = None
@@ -146,8 +148,8 @@ class CoordinatorHost:
         shortfall = descriptor_shortfall(config, limit)
         if shortfall is not None:
             self._log(f"warning: {shortfall}")
-        self._server = proto.serve(config.host, config.port, timeout=30.0)
-        self._root = proto.connect(self.address, None, timeout=30.0)
+        self._server = transport.serve(config.host, config.port, timeout=30.0)
+        self._root = C10dStoreRoot.connect(self.address, timeout=30.0)
         self._log(f"store listening on {config.host}:{self._server.port}")
         self._emit("store", host=config.host, port=self._server.port)
         return config.host, self._server.port
@@ -194,15 +196,14 @@ class CoordinatorHost:
         return generation
 
     def _read_check_in(self, node: int) -> CheckIn | None:
-        key = proto.check_in_key(node)
-        if not self._root.check([key]):
+        check_in = self._root.check_in_of(node)
+        if check_in is None:
             return None
-        check_in = CheckIn.from_json(self._root.get(key))
         if check_in.node == node and hmac.compare_digest(check_in.token.encode(), self.config.token.encode()):
             return check_in
         self._log(f"refused the check-in of node {node}: wrong token")
         self._emit("refused_check_in", node=node)
-        self._root.delete_key(key)
+        self._root.withdraw_check_in(node)
         return None
 
     def start(self, generation: int, local_domain: str = "") -> Coordinator:
@@ -211,14 +212,11 @@ class CoordinatorHost:
         if self.coordinator is not None:
             self.coordinator.stop()
         n = config.world_size
-        store = proto.connect(self.address, generation, timeout=30.0)
-        store.set(proto.WORLD_SIZE, str(n))
-        store.set(proto.NODES, str(config.nnodes))
-        store.set(proto.epoch_key(0), Membership(0, tuple(range(n)), 0).to_json())
-        store.set(proto.CURRENT_EPOCH, "0")
+        store = C10dJobStore.connect(self.address, generation, timeout=30.0)
+        store.open_job(n, config.nnodes)
         if config.local_node is not None:
-            store.set(proto.domain_key(config.local_node), local_domain)
-        self._root.set(proto.GENERATION, str(generation))
+            store.set_domain(config.local_node, local_domain)
+        self._root.start_generation(generation)
         self.generation, self._store = generation, store
         host, _, port = self.address.rpartition(":")
         self.coordinator = Coordinator(
@@ -254,7 +252,7 @@ class CoordinatorHost:
     def restart_requested(self) -> bool:
         """A rank of this generation asked for a restart of the job from its checkpoint."""
         codes = self.coordinator.exit_codes if self.coordinator is not None else {}
-        return proto.RESTART_EXIT_CODE in codes.values()
+        return keys.RESTART_EXIT_CODE in codes.values()
 
     def nodes_ended(self) -> dict[int, int | None] | None:
         """Once every remote node's agent has ended: its exit code (None for one that died: its
@@ -267,14 +265,16 @@ class CoordinatorHost:
         for node in range(self.config.nnodes):
             if node == self.config.local_node:
                 continue
-            if store.check([proto.ended_key(node)]):
-                ended[node] = int(store.get(proto.ended_key(node)))
+            code = store.node_end(node)
+            if code is not None:
+                ended[node] = code
                 seen = True
                 continue
-            if not store.check([proto.lease_key(node)]):
+            lease = store.lease(node)
+            if lease is None:
                 return None
             seen = True
-            if now - Lease.from_json(store.get(proto.lease_key(node))).time <= self.config.node_lease:
+            if now - lease.time <= self.config.node_lease:
                 return None
             ended[node] = None
         return ended if seen else None

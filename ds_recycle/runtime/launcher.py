@@ -50,14 +50,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ds_recycle.runtime import protocol as proto
+from ds_recycle.runtime import keys, transport
 from ds_recycle.runtime.beats import make_beat_directory
 from ds_recycle.runtime.coordinator import Coordinator, HeartbeatPolicy, RankExit, describe_returncode
 from ds_recycle.runtime.host import CoordinatorHost, HostConfig, NodesMissing, raise_descriptor_limit
 from ds_recycle.runtime.node import CoordinatorGone, NodeLink, NodeRefused, await_generation
 from ds_recycle.runtime.node_watch import NodeWatch
 from ds_recycle.runtime.preload import PreloadedProcess, Preloader, PreloadError, check_argv, die_with_parent
-from ds_recycle.runtime.protocol import Membership
+from ds_recycle.runtime.records import Membership
 
 TIMEOUT_EXIT_CODE = 124
 FAILURE_EXIT_CODE = 1
@@ -207,6 +207,26 @@ class LaunchConfig:
     stage with workers to spare may move into it (the ranks propose the move when the planner
     predicts it pays); ``off``: the grid stays as the failures left it."""
 
+    def host_config(self, token: str, local_node: int | None, beats_dir: str | None = None) -> HostConfig:
+        """The coordinator's host of this job: node 0's (``local_node=0``) or a standalone
+        ``ds-recycle coordinator``'s (``local_node=None``). It listens at ``endpoint``, or on a free
+        port of ``host`` when there is none, and waits ``coordinator_wait`` for the agents."""
+        host, port = self.endpoint or (self.host, 0)
+        return HostConfig(
+            nnodes=self.nnodes,
+            nproc=self.nproc,
+            host=host,
+            port=port,
+            token=token,
+            node_lease=self.node_lease,
+            heartbeat=self.heartbeat,
+            status_port=self.status_port,
+            status_host=self.status_host,
+            local_node=local_node,
+            check_in_timeout=self.coordinator_wait,
+            beats_dir=beats_dir,
+        )
+
 
 @dataclass
 class _Slot:
@@ -328,22 +348,7 @@ class Launcher:
     def _host_store(self) -> None:
         if not self.hosts_coordinator:
             return
-        config = self.config
-        host, port = config.endpoint or (config.host, 0)
-        host_config = HostConfig(
-            nnodes=config.nnodes,
-            nproc=config.nproc,
-            host=host,
-            port=port,
-            token=self.token,
-            node_lease=config.node_lease,
-            heartbeat=config.heartbeat,
-            status_port=config.status_port,
-            status_host=config.status_host,
-            local_node=config.node_rank,
-            check_in_timeout=config.coordinator_wait,
-            beats_dir=self.beats_dir,
-        )
+        host_config = self.config.host_config(self.token, self.config.node_rank, self.beats_dir)
         self.host = CoordinatorHost(host_config, log=self.log, emit=self.emit, kill=self._kill_incarnation)
         self._address = self.host.listen()
 
@@ -422,7 +427,7 @@ class Launcher:
         env = {**os.environ, **(self.config.env or {})}
         env.setdefault("DS_ACCELERATOR", "cpu")
         env.setdefault("OMP_NUM_THREADS", "1")
-        env[proto.ENV_BEATS] = self.beats_dir
+        env[keys.ENV_BEATS] = self.beats_dir
         env.pop("LOCAL_SIZE", None)  # would turn on DeepSpeed's shm all-reduce (66 MB a rank, leaked on SIGKILL)
         return env
 
@@ -442,21 +447,21 @@ class Launcher:
                 "MASTER_PORT": str(port),
                 "TORCHELASTIC_USE_AGENT_STORE": "True",
                 "TORCHELASTIC_RESTART_COUNT": str(self.generation),
-                **proto.QUIET_STORE_ENV,
+                **transport.QUIET_STORE_ENV,
             }
         )
         if config.membership:
             env.update(
                 {
-                    proto.ENV_STORE: f"{host}:{port}",
-                    proto.ENV_TOKEN: self.token,
-                    proto.ENV_INCARNATION: str(s.incarnation),
-                    proto.ENV_GENERATION: str(self.generation),
-                    proto.ENV_NODE_STORE: self.node_watch.address,
+                    keys.ENV_STORE: f"{host}:{port}",
+                    keys.ENV_TOKEN: self.token,
+                    keys.ENV_INCARNATION: str(s.incarnation),
+                    keys.ENV_GENERATION: str(self.generation),
+                    keys.ENV_NODE_STORE: self.node_watch.address,
                 }
             )
             if self.generation > 0:
-                env[proto.ENV_RESUME] = "required"
+                env[keys.ENV_RESUME] = "required"
         started = time.time()
         log = None if config.log_dir is None else Path(config.log_dir) / f"rank{s.slot}.log"
         proc = self._fork_preloaded(env, log) if config.preload and not self._preload_failed else None
@@ -544,7 +549,7 @@ class Launcher:
                     restart_deadline = None
                     if not config.respawn:
                         self.log("a rank asked for a restart from the checkpoint; without --respawn the job ends")
-                        return proto.RESTART_EXIT_CODE
+                        return keys.RESTART_EXIT_CODE
                     self.coordinator.stop()
                     if self.host is not None:
                         self.generation += 1
@@ -589,13 +594,13 @@ class Launcher:
             signal=None if code >= 0 else describe_returncode(code).removeprefix("signal "),
         )
         self.coordinator.rank_exited(RankExit(s.slot, s.incarnation, code, observed))
-        if code == proto.RESTART_EXIT_CODE:
+        if code == keys.RESTART_EXIT_CODE:
             if not self.restart_requested:
                 self.log(f"rank {s.slot} asked for a restart of the job from its checkpoint")
                 self.emit("restart_requested", slot=s.slot)
             self.restart_requested = True
             return
-        if code == proto.STOP_EXIT_CODE:
+        if code == keys.STOP_EXIT_CODE:
             if not self.stopped:
                 self.log(f"rank {s.slot} stopped the job: training cannot go on in place (its log says why)")
                 self.emit("stopped", slot=s.slot)
@@ -630,7 +635,7 @@ class Launcher:
         twice as long each time (up to ``max_backoff``) and, past ``max_restarts``, is given up."""
         config = self.config
         lived = time.monotonic() - s.started_at
-        if code in (0, proto.JOIN_GIVEN_UP_EXIT_CODE) or lived >= config.stable_seconds:
+        if code in (0, keys.JOIN_GIVEN_UP_EXIT_CODE) or lived >= config.stable_seconds:
             s.quick_failures = []
         else:
             s.quick_failures.append(describe_returncode(code))

@@ -1,4 +1,4 @@
-"""The membership agent: a trainer's side of the coordinator protocol (protocol.py has the keys).
+"""The membership agent: a trainer's side of the coordinator protocol (keys.py has the keys).
 
 It knows the current epoch, posts this process's requests (leave on a preemption signal, join
 after a respawn, a probe when a peer stopped answering), takes the per-boundary decision and the
@@ -20,13 +20,27 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 
+from ds_recycle.errors import EpochSuperseded, MemberFailed, MembershipError
 from ds_recycle.log import logger
-from ds_recycle.runtime import protocol as proto
+from ds_recycle.runtime import keys, policy
 from ds_recycle.runtime.beats import write_beat
-from ds_recycle.runtime.protocol import Beat, Change, Decision, Membership, Progress, Request, Store
-from ds_recycle.runtime.waiting import PeerFailure
+from ds_recycle.runtime.c10d_store import C10dJobStore
+from ds_recycle.runtime.job_store import JobStore
+from ds_recycle.runtime.placement import NodeLayout
+from ds_recycle.runtime.records import (
+    FAILED,
+    JOIN,
+    LEAVE,
+    OUT_KINDS,
+    PROBE,
+    Beat,
+    Change,
+    Decision,
+    Membership,
+    Progress,
+    Request,
+)
 
 HEARTBEAT_SECONDS = 0.1
 EXIT_GRACE_SECONDS = 30.0
@@ -50,30 +64,6 @@ ENTER_CHECK_SLICES = 5
 LEAVE_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
-def _wait_for_key(store: Store, key: str, seconds: float) -> bool:
-    """Block until ``key`` is set (True), or ``seconds`` passed (False): the server answers when it
-    is set, so a waiter makes one store operation however long it waits."""
-    from torch.distributed import DistStoreError
-
-    try:
-        store.wait([key], timedelta(seconds=seconds))
-        return True
-    except DistStoreError:
-        return False
-
-
-class MembershipError(RuntimeError):
-    """The coordinator cannot be reached, or a request was not admitted in time."""
-
-
-class EpochSuperseded(RuntimeError):
-    """A newer epoch was decided while this process waited to enter an older one."""
-
-
-class MemberFailed(PeerFailure):
-    """A member of the epoch being entered failed (or a failure was announced) before all entered."""
-
-
 @dataclass
 class MembershipAgent:
     address: str
@@ -81,11 +71,12 @@ class MembershipAgent:
     token: str
     incarnation: int
     generation: int
-    store: Store | None = None
+    store: JobStore | None = None
+    """The job's store (:class:`~ds_recycle.runtime.job_store.JobStore`)."""
     node_address: str | None = None
     """The node's store (``DS_RECYCLE_NODE_STORE``): the node's agent copies the job's changes
     there, and this rank's watcher waits on it (:mod:`ds_recycle.runtime.node_watch`)."""
-    node_store: Store | None = None
+    node_store: JobStore | None = None
     """The agent's client of the node's store."""
     node_slots: tuple[int, ...] = ()
     """The slots of this rank's node, whose ranks share its store: their recovery progress and
@@ -112,51 +103,51 @@ class MembershipAgent:
     agent to relay (:mod:`ds_recycle.runtime.beats`)."""
     iteration_seconds: float | None = None
     """The last measured iteration time, sent with every beat."""
-    group_roles: proto.GroupRoles | None = None
+    group_roles: policy.GroupRoles | None = None
     """The roles of a slot's process groups (set by the engine's runtime): a decision names the
-    roles whose groups the next epoch makes afresh (:func:`~ds_recycle.runtime.protocol.groups_to_remake`)."""
+    roles whose groups the next epoch makes afresh (:func:`~ds_recycle.runtime.policy.groups_to_remake`)."""
     _heartbeat: threading.Thread | None = field(default=None, repr=False)
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @classmethod
     def from_env(cls, environ=os.environ) -> MembershipAgent | None:
         """The agent of a process started by ``ds-recycle launch``; None under any other launcher."""
-        address = environ.get(proto.ENV_STORE)
+        address = environ.get(keys.ENV_STORE)
         if not address:
             return None
         agent = cls(
             address=address,
             slot=int(environ["RANK"]),
-            token=environ.get(proto.ENV_TOKEN, ""),
-            incarnation=int(environ.get(proto.ENV_INCARNATION, "0")),
-            generation=int(environ.get(proto.ENV_GENERATION, "0")),
-            beats_dir=environ.get(proto.ENV_BEATS),
-            node_address=environ.get(proto.ENV_NODE_STORE),
+            token=environ.get(keys.ENV_TOKEN, ""),
+            incarnation=int(environ.get(keys.ENV_INCARNATION, "0")),
+            generation=int(environ.get(keys.ENV_GENERATION, "0")),
+            beats_dir=environ.get(keys.ENV_BEATS),
+            node_address=environ.get(keys.ENV_NODE_STORE),
         )
         if not agent.node_address:
-            raise MembershipError(f"{proto.ENV_NODE_STORE} is not set: start the ranks with ds-recycle launch")
+            raise MembershipError(f"{keys.ENV_NODE_STORE} is not set: start the ranks with ds-recycle launch")
         try:
-            node, per_node = int(environ["GROUP_RANK"]), int(environ["LOCAL_WORLD_SIZE"])
+            node, layout = int(environ["GROUP_RANK"]), NodeLayout.from_env(environ, required=True)
         except (KeyError, ValueError):
             raise MembershipError(
                 "GROUP_RANK and LOCAL_WORLD_SIZE must be set to integers: start the ranks with ds-recycle launch"
             ) from None
-        agent.node_slots = tuple(range(node * per_node, (node + 1) * per_node))
+        agent.node_slots = tuple(layout.slots(node))
         try:
             agent.store = agent.connect()
             agent.node_store = agent.connect_node()
         except ValueError as error:
             raise MembershipError(str(error)) from None
-        agent.current = proto.read_membership(agent.store)
+        agent.current = agent.store.membership()
         return agent
 
-    def connect(self) -> Store:
-        """A client of its own, for a thread that must not share the agent's."""
-        return proto.connect(self.address, self.generation)
+    def connect(self) -> JobStore:
+        """A client of the job's store of its own, for a thread that must not share the agent's."""
+        return C10dJobStore.connect(self.address, self.generation)
 
-    def connect_node(self) -> Store:
+    def connect_node(self) -> JobStore:
         """A client of the node's store of its own (the failure watcher's)."""
-        return proto.connect(self.node_address, self.generation)
+        return C10dJobStore.connect(self.node_address, self.generation)
 
     @property
     def is_joiner(self) -> bool:
@@ -166,12 +157,12 @@ class MembershipAgent:
     # ---- requests --------------------------------------------------------------------------
 
     def request(
-        self, kind: str, store: Store | None = None, slot: int | None = None, target: int | None = None
+        self, kind: str, store: JobStore | None = None, slot: int | None = None, target: int | None = None
     ) -> None:
         """Post a request for this slot (or ``slot``: the lowest member proposes a migration of
         another member into ``target``)."""
         slot = self.slot if slot is None else slot
-        proto.post_request(store or self.store, Request(kind, slot, self.token, os.getpid(), time.time(), target))
+        (store or self.store).post_request(Request(kind, slot, self.token, os.getpid(), time.time(), target))
 
     def install_leave_handler(self) -> None:
         """SIGTERM, SIGINT or SIGHUP (a preemption notice, ``scancel``, a closed terminal) means:
@@ -191,7 +182,7 @@ class MembershipAgent:
                 name = signal.Signals(signum).name
                 logger.info(f"ReCycle: slot {self.slot} got {name}; leaving at the next iteration boundary")
                 # Its own client: the main thread may be inside a store call on the agent's client.
-                leave = threading.Thread(target=lambda: self.request(proto.LEAVE, self.connect()), daemon=True)
+                leave = threading.Thread(target=lambda: self.request(LEAVE, self.connect()), daemon=True)
                 leave.start()
 
         for signum in LEAVE_SIGNALS:
@@ -204,21 +195,19 @@ class MembershipAgent:
         ``compare_set``. This member proposes the changes it knows of (:meth:`note_changes`, kept by
         its watcher; read here only before the watcher's first look); the first proposal fixes it."""
         epoch = self.current.epoch
-        known = self._known if self._known is not None else proto.read_pending(self.store)
+        known = self._known if self._known is not None else self.store.changes()
         changes = tuple(known[self.applied :])
         # A member's failure is the survivors' to decide (every member's watcher raises its flag for
         # it): a boundary takes the changes before it only. Taken here, it would be decided away
         # under a member that has just been stopped by it, which could then not find it.
-        failed = [i for i, c in enumerate(changes) if c.kind == proto.FAILED and c.slot in self.current.members]
+        failed = [i for i, c in enumerate(changes) if c.kind == FAILED and c.slot in self.current.members]
         if failed:
             changes = changes[: failed[0]]
         applied = self.applied + len(changes)
         nxt = self._next(changes, iteration)
         remade = None if nxt is None else self._remade(nxt)
         proposal = Decision(epoch, iteration, applied, changes, nxt, remade)
-        decision = Decision.from_json(
-            self.store.compare_set(proto.decision_key(epoch, iteration), "", proposal.to_json())
-        )
+        decision = self.store.propose_decision(proposal)
         if decision == proposal and decision.next is not None:
             self._publish(decision.next, epoch)
         return self._take(decision, at_boundary=True)
@@ -260,7 +249,7 @@ class MembershipAgent:
         detect_timeout: float,
         deadline: float,
         timeout: float,
-        latest_from: Store,
+        latest_from: JobStore,
     ) -> Decision | None:
         """:meth:`recover` in the latest epoch decided (as ``latest_from`` says); None if a newer
         one was decided meanwhile."""
@@ -268,7 +257,6 @@ class MembershipAgent:
         epoch = self.current.epoch
         self._wait_for_failure(set(running) | self._concerned(self.current, self.current, self.store), detect_timeout)
         here = self._post_progress(epoch, progress)
-        key = proto.recovery_key(epoch)
         looked_at, pending = None, self._read_pending(self.node_store)
         slices = 0
         while True:
@@ -285,18 +273,18 @@ class MembershipAgent:
                     if decision is not None:
                         break
             # The node's agent copies the decision of the epoch it saw the failure in...
-            if _wait_for_key(self.node_store, key, RECOVERY_SLICE_SECONDS):
-                decision = Decision.from_json(self.node_store.get(key))
+            decision = self.node_store.await_recovery(epoch, RECOVERY_SLICE_SECONDS)
+            if decision is not None:
                 break
             slices += 1
             # ...but it may be made in a later one, or its copy may come late.
             if slices % RECOVERY_CHECK_SLICES == 0:
-                if self.store.check([key]):
-                    decision = Decision.from_json(self.store.get(key))
+                decision = self.store.recovery(epoch)
+                if decision is not None:
                     break
                 # A newer epoch without this recovery's decision: made by a boundary this survivor
                 # did not see (the decision's key is set before the epoch it makes is published).
-                if int(self.store.get(proto.CURRENT_EPOCH)) > epoch and not self.store.check([key]):
+                if self.store.current_epoch() > epoch and self.store.recovery(epoch) is None:
                     logger.info(
                         f"ReCycle: slot {self.slot}: epoch {epoch} was superseded in its recovery; recovering anew"
                     )
@@ -305,8 +293,7 @@ class MembershipAgent:
             pending = looked if len(looked) > len(pending) else pending  # a copy that lags shows fewer
             if time.monotonic() > deadline:
                 survivors = self._survivors(tuple(self._read_pending()[self.applied :]))
-                posted = [proto.progress_key(epoch, s) for s in survivors]
-                missing = [s for s, k in zip(survivors, posted, strict=True) if not self.store.check([k])]
+                missing = [s for s in survivors if not self.store.progress_posted(epoch, [s])]
                 raise MembershipError(
                     f"the progress of survivors {missing} did not reach the job's store within {timeout:.0f} s"
                 )
@@ -319,33 +306,32 @@ class MembershipAgent:
         this survivor's own post just read it."""
         changes = tuple(pending[self.applied :])
         survivors = self._survivors(changes)
-        posted = [proto.progress_key(epoch, s) for s in survivors]
         if count is None:
-            count = int(self.store.add(proto.progress_count_key(epoch), 0))
-        if count < len(survivors) or not self.store.check(posted):
+            count = self.store.count_progress(epoch)
+        if count < len(survivors) or not self.store.progress_posted(epoch, survivors):
             return None
-        posts = dict(zip(survivors, map(Progress.from_json, self.store.multi_get(posted)), strict=True))
+        posts = self.store.progress_of(epoch, survivors)
         done = min(post.done for post in posts.values())
         nxt = self._next(changes, done) or Membership(epoch + 1, self.current.members, done)
         proposal = Decision(epoch, done, len(pending), changes, nxt, self._remade(nxt, posts))
-        decision = Decision.from_json(self.store.compare_set(proto.recovery_key(epoch), "", proposal.to_json()))
+        decision = self.store.propose_recovery(proposal)
         if decision == proposal:
             self._publish(nxt)  # after the key: a survivor that sees the epoch moved sees the key set
         return decision
 
     def _remade(self, nxt: Membership, posts: dict[int, Progress] | None = None) -> tuple[str, ...] | None:
         changed = set(self.current.members) ^ set(nxt.members)
-        return proto.groups_to_remake(changed, self.group_roles, self.current.epoch, posts, nxt.members)
+        return policy.groups_to_remake(changed, self.group_roles, self.current.epoch, posts, nxt.members)
 
     def _post_progress(self, epoch: int, progress: Progress) -> int | None:
         """Post this survivor's progress in ``epoch`` on the node's store, and count it there once;
         returns the node's count after this post (None when this process posted in ``epoch``
         before: no other process of this slot is a survivor of an epoch this one was a member of)."""
-        self.node_store.set(proto.progress_key(epoch, self.slot), progress.to_json())
+        self.node_store.post_progress(epoch, self.slot, progress)
         if self._posted_in == epoch:
             return None
         self._posted_in = epoch
-        return int(self.node_store.add(proto.progress_count_key(epoch), 1))
+        return self.node_store.count_progress(epoch, 1)
 
     def _forward_progress(self, epoch: int, changes: tuple[Change, ...], here: int | None) -> int | None:
         """Copy the posts of this node's survivors (as ``changes`` leave them) to the job's store and
@@ -355,25 +341,20 @@ class MembershipAgent:
         if self._forwarded_in == epoch:
             return None
         survivors = [s for s in self._survivors(changes) if s in self.node_slots]
-        posts = [proto.progress_key(epoch, s) for s in survivors]
         if here is None:
-            here = int(self.node_store.add(proto.progress_count_key(epoch), 0))
-        if here < len(survivors) or not self.node_store.check(posts) or not self._claim_forward(epoch, survivors):
+            here = self.node_store.count_progress(epoch)
+        if (
+            here < len(survivors)
+            or not self.node_store.progress_posted(epoch, survivors)
+            # A claimer that is no longer a survivor may have died before it copied them; if it did
+            # copy them, the job's count runs above the survivors', which only sends the proposers
+            # to look at the posts: a decision needs every survivor's.
+            or not self.node_store.claim_forwarding(epoch, self.slot, survivors)
+        ):
             return None
-        self.store.multi_set(posts, list(self.node_store.multi_get(posts)))
+        posts = self.node_store.progress_of(epoch, survivors)
         self._forwarded_in = epoch
-        return int(self.store.add(proto.progress_count_key(epoch), len(posts)))
-
-    def _claim_forward(self, epoch: int, survivors: list[int]) -> bool:
-        """Whether this survivor copies its node's posts: the first to claim it, or the first to
-        claim it from a claimer that is no longer a survivor (it may have died before it copied
-        them; if it did copy them, the job's count runs above the survivors', which only sends the
-        proposers to look at the posts: a decision needs every survivor's)."""
-        key, me = proto.progress_forwarder_key(epoch), str(self.slot)
-        claim = self.node_store.compare_set(key, "", me).decode()
-        if claim != me and int(claim) not in survivors:
-            claim = self.node_store.compare_set(key, claim, me).decode()
-        return claim == me
+        return self.store.forward_progress(epoch, posts)
 
     def _wait_for_failure(self, slots: set[int], detect_timeout: float) -> None:
         """Until a failure among ``slots`` is published: blocks on this slot's next alert key in the
@@ -396,11 +377,11 @@ class MembershipAgent:
                 )
             # Every PROBE_AFTER_SECONDS: a dead node's lease only gets old, so a later probe finds it.
             if waited > (probes + 1) * PROBE_AFTER_SECONDS:
-                self.request(proto.PROBE)
+                self.request(PROBE)
                 probes += 1
                 if probes == 1:
                     logger.info(f"ReCycle: slot {self.slot} asked the coordinator which peer stopped answering")
-            _wait_for_key(self.node_store, proto.alert_key(self.slot, alerts + 1), PROBE_AFTER_SECONDS)
+            self.node_store.wait_for_alert(self.slot, alerts + 1, PROBE_AFTER_SECONDS)
 
     def _take(self, decision: Decision, at_boundary: bool) -> Decision:
         """Apply ``decision`` (made ``at_boundary``, or by a recovery). Its decider publishes the
@@ -409,22 +390,22 @@ class MembershipAgent:
         self.applied = decision.applied
         if decision.next is not None:
             self._records[decision.next.epoch] = decision.next
-            self._leavers[decision.next.epoch] = proto.boundary_leavers(decision) if at_boundary else set()
+            self._leavers[decision.next.epoch] = policy.boundary_leavers(decision) if at_boundary else set()
             self.current = decision.next
         return decision
 
-    def failure_among(self, slots: set[int], store: Store | None = None) -> bool:
+    def failure_among(self, slots: set[int], store: JobStore | None = None) -> bool:
         """Whether a failure not yet taken by a decision concerns one of ``slots``."""
         return self._failure_in(self._read_pending(store), slots)
 
     def _failure_in(self, pending: list[Change], slots: set[int]) -> bool:
-        return any(c.kind == proto.FAILED and c.slot in slots for c in pending[self.applied :])
+        return any(c.kind == FAILED and c.slot in slots for c in pending[self.applied :])
 
-    def _read_pending(self, store: Store | None = None, count: int | None = None) -> list[Change]:
+    def _read_pending(self, store: JobStore | None = None, count: int | None = None) -> list[Change]:
         """Every change so far, reading only those after the ones the watcher took in."""
-        return proto.read_pending(store or self.store, self._known, count)
+        return (store or self.store).changes(self._known, count)
 
-    def note_changes(self, store: Store, count: int | None = None) -> bool:
+    def note_changes(self, store: JobStore, count: int | None = None) -> bool:
         """For the watcher (its own client of the node's store), at its start and whenever changes
         were copied there (``count``: the ``alert`` count it just read): take ``pending`` in (the
         next boundary proposes what it holds), and say whether a failure in it concerns this rank:
@@ -439,39 +420,39 @@ class MembershipAgent:
         self._known = pending
         return relevant
 
-    def _concerned(self, current: Membership, latest: Membership, store: Store) -> set[int]:
+    def _concerned(self, current: Membership, latest: Membership, store: JobStore) -> set[int]:
         """The slots whose failure stops a rank in epoch ``current`` when ``latest`` is the newest
         decided epoch: the members of both, and the leavers that the boundary decision making
         ``latest`` took out (noted when this agent took it, else read once per epoch:
-        :func:`~ds_recycle.runtime.protocol.left_at_boundary`). ``latest`` is published, so the
+        :meth:`~ds_recycle.runtime.job_store.JobStore.left_at_boundary`). ``latest`` is published, so the
         decision that made it is written; a boundary decision a straggler writes later at the same
         key did not make it."""
         leavers = self._leavers.get(latest.epoch)
         if leavers is None:
-            leavers = self._leavers[latest.epoch] = proto.left_at_boundary(latest, store)
+            leavers = self._leavers[latest.epoch] = store.left_at_boundary(latest)
         return set(current.members) | set(latest.members) | leavers
 
-    def _latest(self, store: Store) -> Membership:
+    def _latest(self, store: JobStore) -> Membership:
         """The latest decided membership: the store's (the node's copy, made after the changes the
         watcher woke for were published), or this agent's own when it took a later one. An epoch's
         record, written once, is read once."""
-        epoch = int(store.get(proto.CURRENT_EPOCH))
+        epoch = store.current_epoch()
         current = self.current
         if current is not None and current.epoch > epoch and current.epoch in self._leavers:
             return current
         membership = self._records.get(epoch)
         if membership is None:
-            membership = self._records[epoch] = proto.read_membership(store, epoch)
+            membership = self._records[epoch] = store.membership(epoch)
         return membership
 
     def migrations(self) -> tuple[set[int], dict[int, int]]:
         """The retired slots no move fills, and the accepted moves not decided yet (mover ->
         target), from every change the coordinator accepted so far."""
         pending = self._read_pending()
-        return proto.retired_slots(pending), proto.moves_under_way(pending, self.current.members)
+        return policy.retired_slots(pending), policy.moves_under_way(pending, self.current.members)
 
     def _survivors(self, changes: tuple[Change, ...]) -> list[int]:
-        gone = {c.slot for c in changes if c.kind in proto.OUT_KINDS}
+        gone = {c.slot for c in changes if c.kind in OUT_KINDS}
         return [s for s in self.current.members if s not in gone]
 
     def enter(
@@ -488,28 +469,27 @@ class MembershipAgent:
         was announced (``failure_announced()``) or one of the members failed."""
         epoch = membership.epoch
         self._records[epoch] = membership
-        key = proto.entered_key(epoch)
-        here = int(self.node_store.add(proto.ready_key(epoch), 1))
+        here = self.node_store.count_ready(epoch, 1)
         if here == len([m for m in membership.members if m in self.node_slots]):
-            if int(self.store.add(proto.ready_key(epoch), here)) >= len(membership.members):
+            if self.store.count_ready(epoch, here) >= len(membership.members):
                 self._publish(membership)  # in case its decider died before it did (a leaver at a boundary)
-                self.store.set(key, "1")
+                self.store.mark_entered(epoch)
                 return
         deadline = time.monotonic() + timeout
         slices = 0
-        while not _wait_for_key(self.node_store if copied else self.store, key, ENTER_SLICE_SECONDS):
+        while not (self.node_store if copied else self.store).wait_for_entry(epoch, ENTER_SLICE_SECONDS):
             if failure_announced():
                 raise MemberFailed(f"a failure was announced while entering epoch {epoch}")
             slices += 1
             if slices % ENTER_CHECK_SLICES:
                 continue
-            if copied and self.store.check([key]):  # the copy is late, or its agent awaited another
+            if copied and self.store.entered(epoch):  # the copy is late, or its agent awaited another
                 return
             # A member (a joiner) may have died after the failure watcher judged its failure to
             # concern nobody, before the decision that admitted it was published.
             if self.failure_among(set(membership.members)):
                 raise MemberFailed(f"a member of epoch {epoch} failed before every member entered it")
-            current = int(self.store.get(proto.CURRENT_EPOCH))
+            current = self.store.current_epoch()
             if current > epoch:
                 raise EpochSuperseded(f"epoch {epoch} was superseded before every member entered it")
             if current < epoch:  # its decider died before it published it: a joiner waits for it
@@ -520,7 +500,7 @@ class MembershipAgent:
     def _next(self, changes: tuple[Change, ...], iteration: int) -> Membership | None:
         members = set(self.current.members)
         for change in changes:
-            if change.kind == proto.JOIN:
+            if change.kind == JOIN:
                 members.add(change.slot)
             else:
                 members.discard(change.slot)
@@ -533,26 +513,25 @@ class MembershipAgent:
         publishing any epoch between the two that this agent held: a decider that died before it
         published its epoch leaves a gap, which the next publisher among its survivors fills."""
         if current_epoch is None:
-            current_epoch = int(self.store.get(proto.CURRENT_EPOCH))
+            current_epoch = self.store.current_epoch()
         for epoch in range(current_epoch + 1, membership.epoch + 1):
             record = membership if epoch == membership.epoch else self._records.get(epoch)
             if record is None:
                 return
-            self.store.compare_set(proto.epoch_key(epoch), "", record.to_json())
-            self.store.compare_set(proto.CURRENT_EPOCH, str(epoch - 1), str(epoch))
+            self.store.publish_epoch(record)
 
-    def refresh(self, store: Store | None = None) -> Membership:
+    def refresh(self, store: JobStore | None = None) -> Membership:
         """The latest epoch decided by anyone (a slower member may not have seen it yet), as
         ``store`` says (the job's, or the node's copy). One this agent took that is still
         unpublished on the job's store (its decider died between its decision and the publication)
         is published here: a survivor that did not take it would otherwise recover in the epoch
         before it, apart from those that did."""
         store = store or self.store
-        epoch = int(store.get(proto.CURRENT_EPOCH))
+        epoch = store.current_epoch()
         if epoch < self.current.epoch and store is not self.store:  # a copy older than this agent
-            store, epoch = self.store, int(self.store.get(proto.CURRENT_EPOCH))
+            store, epoch = self.store, self.store.current_epoch()
         if epoch > self.current.epoch:
-            self._take(*self._creating(proto.read_membership(store, epoch)))
+            self._take(*self._creating(store.membership(epoch)))
         elif epoch < self.current.epoch:
             self._publish(self.current, epoch)
         return self.current
@@ -564,17 +543,18 @@ class MembershipAgent:
     def _creating(self, membership: Membership) -> tuple[Decision, bool]:
         """The decision that created ``membership``, and whether it was made at a boundary."""
         previous = membership.epoch - 1
-        boundary, recovery = proto.decision_key(previous, membership.iteration), proto.recovery_key(previous)
-        for key in (boundary, recovery):
-            decision = proto.read_decision(self.store, key)
-            if decision is not None and decision.next == membership:
-                return decision, key == boundary
+        decision = self.store.decision(previous, membership.iteration)
+        if decision is not None and decision.next == membership:
+            return decision, True
+        decision = self.store.recovery(previous)
+        if decision is not None and decision.next == membership:
+            return decision, False
         raise MembershipError(f"no decision created epoch {membership.epoch}")
 
     def created_by_recovery(self, membership: Membership) -> bool:
         """Whether ``membership`` was decided by the survivors of a failure (who roll back and
         re-sync tied weights on entering it), not at an iteration boundary."""
-        decision = proto.read_decision(self.store, proto.recovery_key(membership.epoch - 1))
+        decision = self.store.recovery(membership.epoch - 1)
         return decision is not None and decision.next == membership
 
     def holders(self, membership: Membership) -> tuple[int, ...]:
@@ -592,7 +572,7 @@ class MembershipAgent:
         if not predecessor_removed:
             removed = "decided the removal of its predecessor"
             self._wait_for_epoch(lambda m: self.slot not in m.members, deadline, removed)
-        self.request(proto.JOIN)
+        self.request(JOIN)
         self.requested_at = time.time()
         current = self._wait_for_epoch(lambda m: self.slot in m.members, deadline, "admitted it")
         self._take(*self._creating(current))
@@ -600,7 +580,7 @@ class MembershipAgent:
 
     def _wait_for_epoch(self, condition, deadline: float, what: str) -> Membership:
         while time.monotonic() < deadline:
-            current = proto.read_membership(self.store)
+            current = self.store.membership()
             if condition(current):
                 return current
             time.sleep(0.02)
@@ -615,7 +595,7 @@ class MembershipAgent:
         if self._heartbeat is not None:
             return
         if not self.beats_dir:
-            raise MembershipError(f"{proto.ENV_BEATS} is not set: start the ranks with ds-recycle launch")
+            raise MembershipError(f"{keys.ENV_BEATS} is not set: start the ranks with ds-recycle launch")
 
         def beat():
             failing = False

@@ -32,10 +32,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from ds_recycle.runtime import protocol as proto
 from ds_recycle.runtime.beats import read_beats
+from ds_recycle.runtime.c10d_store import C10dJobStore, C10dStoreRoot
 from ds_recycle.runtime.coordinator import RankExit, renew_seconds
-from ds_recycle.runtime.protocol import AgentReport, CheckIn, KillOrder, Lease, Membership
+from ds_recycle.runtime.records import AgentReport, CheckIn, Lease, Membership
 
 LEASE_WATCH_SECONDS = 0.05
 KILL_CHECK_SECONDS = 1.0
@@ -63,15 +63,14 @@ def await_generation(address: str, node: int, token: str, last: int, wait: float
     while True:
         try:
             if root is None and _listening(address):
-                root = proto.connect(address, None, timeout=CONNECT_SECONDS)
+                root = C10dStoreRoot.connect(address, timeout=CONNECT_SECONDS)
             if root is None:
                 raise ConnectionRefusedError(address)
-            if root.check([proto.GENERATION]):
-                generation = int(root.get(proto.GENERATION))
-                if generation > last or not newer_only:
-                    return generation
+            generation = root.running_generation()
+            if generation is not None and (generation > last or not newer_only):
+                return generation
             if not checked_in:
-                root.set(proto.check_in_key(node), CheckIn(node, last, token).to_json())
+                root.check_in(CheckIn(node, last, token))
                 checked_in = True
         except (RuntimeError, OSError, dist.DistStoreError, ValueError):
             root, checked_in = None, False  # not listening (yet), or it went away: a fresh client next time
@@ -118,8 +117,8 @@ class NodeLink:
         self.lease_seconds = lease_seconds
         self.grace = lease_seconds if grace is None else min(grace, lease_seconds)
         self._log, self._kill, self._fence = log, kill, fence
-        self._store = proto.connect(address, generation, timeout=max(1.0, lease_seconds))
-        self._query = proto.connect(address, generation, timeout=max(1.0, lease_seconds))
+        self._store = C10dJobStore.connect(address, generation, timeout=max(1.0, lease_seconds))
+        self._query = C10dJobStore.connect(address, generation, timeout=max(1.0, lease_seconds))
         self._query_lock = threading.Lock()
         self._reports: queue.Queue[AgentReport] = queue.Queue()
         self._stop = threading.Event()
@@ -134,10 +133,8 @@ class NodeLink:
         """Take this node's next incarnation and say its failure domain. A previous agent's lease
         must lapse first (it fences itself by then); one that is still renewed is a live agent of
         this node: refused."""
-        key = proto.lease_key(self.node)
         deadline = time.monotonic() + 2 * self.lease_seconds
-        while self._store.check([key]):
-            lease = Lease.from_json(self._store.get(key))
+        while (lease := self._store.lease(self.node)) is not None:
             age = time.time() - lease.time
             if age >= self.lease_seconds:
                 break
@@ -147,8 +144,8 @@ class NodeLink:
                     f"{age:.1f} s ago): is --node-rank {self.node} given twice?"
                 )
             time.sleep(0.1)
-        self.node_incarnation = int(self._store.add(proto.node_incarnation_key(self.node), 1))
-        self._store.set(proto.domain_key(self.node), domain)
+        self.node_incarnation = self._store.next_node_incarnation(self.node)
+        self._store.set_domain(self.node, domain)
         self._renew()
         return self.node_incarnation
 
@@ -176,7 +173,7 @@ class NodeLink:
         if code is None or self.fenced:
             return
         try:
-            self._store.set(proto.ended_key(self.node), str(code))
+            self._store.end_node(self.node, code)
         except Exception:
             pass
 
@@ -188,7 +185,7 @@ class NodeLink:
 
     def membership(self) -> Membership:
         with self._query_lock:
-            return proto.read_membership(self._query)
+            return self._query.membership()
 
     def _report(self, kind: str, slot: int, incarnation: int, pid: int, code: int | None, when: float) -> AgentReport:
         return AgentReport(kind, self.node, self.node_incarnation, slot, incarnation, pid, code, when, self.token)
@@ -236,7 +233,7 @@ class NodeLink:
 
     def _renew(self) -> None:
         beats = read_beats(self.beats_dir, self.slots) if self.beats_dir else {}
-        self._store.set(proto.lease_key(self.node), Lease(self.node_incarnation, time.time(), beats).to_json())
+        self._store.renew_lease(self.node, Lease(self.node_incarnation, time.time(), beats))
         self.last_renewal = time.time()
 
     def _send_reports(self) -> None:
@@ -245,16 +242,14 @@ class NodeLink:
                 report = self._reports.get_nowait()
             except queue.Empty:
                 return
-            index = int(self._store.add(proto.REPORT_COUNT, 1))
-            self._store.set(proto.report_key(index), report.to_json())
+            self._store.post_report(report)
 
     def _take_kills(self) -> None:
-        count = int(self._store.add(proto.kill_count_key(self.node), 0))
+        count = self._store.kill_count(self.node)
         while self._next_kill <= count:
-            key = proto.kill_key(self.node, self._next_kill)
-            if not self._store.check([key]):
+            order = self._store.kill_order(self.node, self._next_kill)
+            if order is None:
                 return  # counted, not yet written
-            order = KillOrder.from_json(self._store.get(key))
             self._kill(order.slot, order.incarnation)
             self._next_kill += 1
 

@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from datetime import timedelta
+from functools import partial
+from typing import TypeVar
 
-from ds_recycle.runtime import protocol as proto
-from ds_recycle.runtime.protocol import Decision, Membership
+from ds_recycle.runtime import transport
+from ds_recycle.runtime.c10d_store import C10dJobStore
+from ds_recycle.runtime.job_store import JobStore
 
-WATCH_TIMEOUT_SECONDS = 600.0
-"""The longest single wait for the node's next alert key (a stopping watch wakes itself)."""
+T = TypeVar("T")
+
 DECISION_SLICE_SECONDS = 1.0
 """The wait for a recovery decision looks this often whether a later failure moved its target..."""
 DECISION_SLICES = 30
@@ -47,16 +49,16 @@ class NodeWatch:
     ) -> None:
         self.node, self.slots, self.generation = node, slots, generation
         self._log = log or (lambda line: None)
-        self._server = proto.serve("127.0.0.1", 0)
+        self._server = transport.serve("127.0.0.1", 0)
         self.address = f"127.0.0.1:{self._server.port}"
-        self._job = proto.connect(job_address, generation)
-        self._waker = proto.connect(job_address, generation)
-        self._local: proto.Store | None = None
+        self._job = C10dJobStore.connect(job_address, generation)
+        self._waker = C10dJobStore.connect(job_address, generation)
+        self._local: JobStore | None = None
         self.seen = 0
         """How many changes the node's store holds."""
         self._epoch = -1
         """The latest epoch copied."""
-        self._decisions = proto.connect(job_address, generation)
+        self._decisions = C10dJobStore.connect(job_address, generation)
         self._awaited: tuple[int, int] | None = None
         """The epoch whose recovery decision is awaited (copied with the latest failure), and the
         changes copied with it."""
@@ -67,8 +69,8 @@ class NodeWatch:
 
     def start(self) -> NodeWatch:
         """Copy the changes and the epoch so far (before the node's ranks start), then watch."""
-        self._local = proto.connect(self.address, self.generation)
-        self._copy(int(self._job.add(proto.ALERT, 0)))
+        self._local = C10dJobStore.connect(self.address, self.generation)
+        self._copy(self._job.alert_count())
         self._thread = threading.Thread(target=self._run, name=f"recycle-node-watch-{self.node}", daemon=True)
         self._thread.start()
         name = f"recycle-node-decisions-{self.node}"
@@ -77,55 +79,29 @@ class NodeWatch:
         return self
 
     def _run(self) -> None:
-        from torch.distributed import DistStoreError
-
-        while not self._stop.is_set():
-            key = proto.node_alert_key(self.node, self.seen + 1)
-            try:
-                self._job.wait([key], timedelta(seconds=WATCH_TIMEOUT_SECONDS))
-                if self._stop.is_set():
-                    return
-                count = proto.alert_count_after(self._job, key, self.seen)
-                if count > self.seen:
-                    self._copy(count)
-            except DistStoreError:  # the wait timed out: nothing changed meanwhile
-                continue
-            except Exception as error:
-                self._lost(error)
-                return
+        try:
+            for count in self._job.node_alerts(self.node, lambda: self.seen, self._stop):
+                self._copy(count)
+        except Exception as error:
+            self._lost(error)
 
     def _copy(self, count: int) -> None:
         """Copy changes ``seen`` .. ``count - 1`` and the latest epoch, then wake the node's ranks."""
-        keys = [proto.change_key(seq) for seq in range(self.seen, count)]
-        values = list(self._job.multi_get(keys)) if keys else []
-        failure = any(proto.Change.from_json(value).kind == proto.FAILED for value in values)
-        epoch = int(self._job.get(proto.CURRENT_EPOCH))
-        if epoch > self._epoch:
-            record = self._job.get(proto.epoch_key(epoch))
-            keys.append(proto.epoch_key(epoch))
-            values.append(record)
-            if epoch > 0:
-                made_by = proto.decision_key(epoch - 1, Membership.from_json(record).iteration)
-                if self._job.check([made_by]):
-                    keys.append(made_by)
-                    values.append(self._job.get(made_by))
-            keys.append(proto.CURRENT_EPOCH)
-            values.append(str(epoch))
-            self._epoch = epoch
-        if not keys:
+        copy = self._job.read_copy(self.seen, count, self._epoch)
+        self._epoch = max(self._epoch, copy.epoch)
+        if not copy.entries:
             return
-        added = count - self.seen
-        if failure:
+        if copy.failure:
             with self._awaited_changed:
-                self._awaited = (epoch, count)
+                self._awaited = (copy.epoch, count)
                 self._awaited_changed.notify()
-        proto.publish_changes(self._local, keys, values, added, lambda k: [proto.alert_key(s, k) for s in self.slots])
+        self._local.write_copy(copy, self.slots)
         self.seen = count
 
     def _copy_decisions(self) -> None:
         """For the failure awaited: copy its epoch's recovery decision, then the entry into the
         epoch that decision makes, into the node's store."""
-        local = proto.connect(self.address, self.generation)
+        local = C10dJobStore.connect(self.address, self.generation)
         done = None
         while not self._stop.is_set():
             with self._awaited_changed:
@@ -135,28 +111,27 @@ class NodeWatch:
             if self._stop.is_set():
                 return
             try:
-                decision = self._copy_when_set(proto.recovery_key(awaited[0]), awaited, local)
+                decision = self._await(
+                    partial(self._decisions.await_recovery, awaited[0], DECISION_SLICE_SECONDS), awaited
+                )
                 if decision is not None:
-                    self._copy_when_set(proto.entered_key(Decision.from_json(decision).next.epoch), awaited, local)
+                    local.copy_recovery(decision)
+                    epoch = decision.next.epoch
+                    if self._await(partial(self._decisions.wait_for_entry, epoch, DECISION_SLICE_SECONDS), awaited):
+                        local.mark_entered(epoch)
             except Exception:  # a store is gone: the watch's own thread closes the node's store
                 return
             done = awaited
 
-    def _copy_when_set(self, key: str, awaited: tuple[int, int], local: proto.Store) -> bytes | None:
-        """Copy ``key`` (written once) from the job's store once it is set, and return its value;
+    def _await(self, look: Callable[[], T | None], awaited: tuple[int, int]) -> T | None:
+        """What ``look`` (a wait of one slice on the job's store) returns once it is something;
         None when a later failure is awaited instead, or after DECISION_SLICES slices."""
-        from torch.distributed import DistStoreError
-
         for _ in range(DECISION_SLICES):
             if self._stop.is_set() or self._awaited != awaited:
                 return None
-            try:
-                self._decisions.wait([key], timedelta(seconds=DECISION_SLICE_SECONDS))
-            except DistStoreError:
-                continue
-            value = self._decisions.get(key)
-            local.set(key, value)
-            return value
+            found = look()
+            if found:
+                return found
         return None
 
     def _lost(self, error: Exception) -> None:
@@ -171,7 +146,7 @@ class NodeWatch:
         with self._awaited_changed:
             self._awaited_changed.notify()
         try:
-            self._waker.set(proto.node_alert_key(self.node, self.seen + 1), "stop")
+            self._waker.wake_node_watch(self.node, self.seen)
         except Exception:  # the job's store is gone already
             pass
         for thread in (self._thread, self._decision_thread):

@@ -11,7 +11,9 @@ every stage crosses nodes, while activations and gradients between stages stay i
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 from ds_recycle.planner.plan import Worker
 
@@ -29,6 +31,48 @@ def contiguous_nodes(world_size: int, per_node: int) -> dict[int, list[int]]:
     return {node: list(range(node * per_node, (node + 1) * per_node)) for node in range(world_size // per_node)}
 
 
+@dataclass(frozen=True)
+class NodeLayout:
+    """How the launcher placed a job's ranks: ``world`` ranks, ``per_node`` contiguous ranks on each
+    node (node k holds ranks k * per_node .. k * per_node + per_node - 1)."""
+
+    world: int
+    per_node: int
+
+    @classmethod
+    def from_env(
+        cls, environ: Mapping[str, str] = os.environ, world: int | None = None, required: bool = False
+    ) -> NodeLayout:
+        """The layout of a rank's environment: ``WORLD_SIZE`` (or ``world``, say the topology's) and
+        the launcher's ``LOCAL_WORLD_SIZE``; one node of every rank where that is unset or 0.
+        ``required``: raise KeyError where it is unset. ValueError where a value is not an integer."""
+        if world is None:
+            world = int(environ.get("WORLD_SIZE", 1))
+        per_node = environ["LOCAL_WORLD_SIZE"] if required else environ.get("LOCAL_WORLD_SIZE", 0) or 0
+        return cls(world, int(per_node) or world)
+
+    @property
+    def several(self) -> bool:
+        """Whether the job runs on more than one node."""
+        return 0 < self.per_node < self.world
+
+    @property
+    def count(self) -> int:
+        return max(1, self.world // self.per_node)
+
+    @property
+    def nodes(self) -> dict[int, list[int]]:
+        """node -> its ranks (:func:`contiguous_nodes`)."""
+        return contiguous_nodes(self.world, self.per_node)
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.per_node
+
+    def slots(self, node: int) -> range:
+        """The ranks of ``node``."""
+        return range(node * self.per_node, (node + 1) * self.per_node)
+
+
 def emptied_stages(
     nodes: Mapping[int, Iterable[int]], worker_of: Mapping[int, Worker], stages: int, failed_nodes: Iterable[int]
 ) -> list[int]:
@@ -36,13 +80,6 @@ def emptied_stages(
     gone = {rank for node in failed_nodes for rank in nodes[node]}
     live = {worker_of[rank][1] for rank in worker_of if rank not in gone}
     return [stage for stage in range(stages) if stage not in live]
-
-
-def survivable(
-    nodes: Mapping[int, Iterable[int]], worker_of: Mapping[int, Worker], stages: int, failed_nodes: Iterable[int]
-) -> bool:
-    """Whether training goes on in place when ``failed_nodes`` are lost (every stage keeps a worker)."""
-    return not emptied_stages(nodes, worker_of, stages, failed_nodes)
 
 
 def unsafe_nodes(

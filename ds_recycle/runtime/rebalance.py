@@ -52,10 +52,10 @@ def propose(engine, retired: Collection[int], under_way: Mapping[int, int], rank
     failed = set(grid.failed)
     for mover, target in under_way.items():
         failed = set(_moved(failed, migration.Move(grid.worker_of(mover), grid.worker_of(target))))
-    costs = engine.plan.costs
+    costs = engine.plans.plan.costs
     work = [costs.F[s] + costs.B[s] + costs.W[s] for s in range(P)]
     want = migration.needed(D, migration.live_per_stage(D, P, failed), work)
-    now = engine.predicted_iteration_time(tuple(sorted(failed))) if under_way else engine.plan.iteration_time
+    now = engine.plans.predicted_time(tuple(sorted(failed))) if under_way else engine.plans.plan.iteration_time
     for node in sorted({slot // ranks_per_node for slot in retired}):
         targets = {grid.worker_of(s) for s in retired if s // ranks_per_node == node}
         sources = {grid.worker_of(s) for s in grid.membership.members if s // ranks_per_node == node}
@@ -64,7 +64,7 @@ def propose(engine, retired: Collection[int], under_way: Mapping[int, int], rank
         if move is None:
             continue
         try:
-            after = engine.predicted_iteration_time(_moved(failed, move))
+            after = engine.plans.predicted_time(_moved(failed, move))
         except ValueError:  # the planner found no schedule for it (under a memory cap): not a candidate
             continue
         if after <= now * (1 - MIN_GAIN):

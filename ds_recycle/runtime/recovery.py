@@ -1,8 +1,9 @@
 """The one owner of the failure path on a rank: join, boundary decision, recovery, rollback, stop.
 
-Under ``ds-recycle launch`` every ReCycle engine gets a :class:`RankRuntime`. The engine only runs
-instruction streams; everything about membership happens here, top-down, in
-:meth:`RankRuntime.train_batch`:
+Under ``ds-recycle launch``, ``ds_recycle.initialize`` makes one :class:`RankRuntime` per rank and
+hands it to the engine. The engine only runs instruction streams; every ``train_batch`` and
+``eval_batch`` runs through :meth:`RankRuntime.run`, and everything about membership happens here,
+top-down, in :meth:`RankRuntime.train_batch`:
 
 1. run the iteration (the engine's own ``train_batch``);
 2. at its boundary the members take one shared decision (:meth:`MembershipAgent.decide`); when
@@ -17,85 +18,78 @@ instruction streams; everything about membership happens here, top-down, in
 4. a stage with no live worker stops the job: exit 75 (restart every rank from the latest
    checkpoint) or 76 (no checkpoint: stop).
 
-:class:`Trainee` is all the runtime needs of the engine.
+:class:`Trainee` is all the runtime needs of the engine; :mod:`ds_recycle.runtime.phases` holds the
+phase table, checked at every phase change.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import os
 import time
 from collections.abc import Callable
-from datetime import timedelta
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
+from ds_recycle.errors import EpochSuperseded, PeerFailure, StageLostError
 from ds_recycle.log import logger
-from ds_recycle.runtime import exit_guard, placement, rebalance, rejoin, reporting
-from ds_recycle.runtime import protocol as proto
+from ds_recycle.runtime import checkpoints, exit_guard, keys, placement, rebalance, rejoin, reporting
 from ds_recycle.runtime.events import MembershipChange
 from ds_recycle.runtime.groups import GROUP_TIMEOUT_SECONDS, RecycleGrid, group_roles, rebuild_world
-from ds_recycle.runtime.membership import EpochSuperseded, MembershipAgent
-from ds_recycle.runtime.protocol import RESTART_EXIT_CODE, STOP_EXIT_CODE, Change, Decision, Membership, Progress
-from ds_recycle.runtime.waiting import FailureWatcher, PeerFailure
+from ds_recycle.runtime.keys import RESTART_EXIT_CODE, STOP_EXIT_CODE
+from ds_recycle.runtime.membership import MembershipAgent
+from ds_recycle.runtime.phases import Phase, PhaseTracker
+from ds_recycle.runtime.records import MOVE, Change, Decision, Membership, Progress
+from ds_recycle.runtime.waiting import FailureWatcher
 
 MAX_RECOVERY_ROUNDS = 8
 HELPER_LOST_EXIT_CODE = 3
 """A rank whose helper process (a DataLoader worker) died ends with this code: a failure."""
 
 
-class Phase(enum.Enum):
-    """Where a rank stands in the membership protocol. These transitions are the spec:
-
-    - ``STARTING`` -> ``TRAINING`` (a first start: heartbeat, failure watcher, leave signals) or
-      ``JOINING`` (a respawned process).
-    - ``JOINING`` -> ``TRAINING``: admitted by a decision, world entered, state copied from a live
-      replica. An epoch superseded while entering (a failure among the members): ``JOINING`` again.
-      A failure announced among the members before its state arrived: ``LEFT`` (it gives up its
-      join, exit 77, and the launcher respawns it).
-    - ``TRAINING`` -> ``DECIDING`` at every iteration boundary; -> ``RECOVERING`` when a peer
-      failure interrupts the iteration.
-    - ``DECIDING`` -> ``TRAINING`` (no change), ``ENTERING`` (members changed) or ``LEFT`` (this
-      slot left).
-    - ``RECOVERING`` -> ``ENTERING`` (the survivors agreed on the restart iteration and this rank
-      rolled back to it) or ``LEFT`` (this slot's leave was decided with the failure).
-    - ``ENTERING`` -> ``BUILDING`` once every member counted itself in: the world and the groups
-      are made (they connect lazily, in ops waited for against the failure flag), joiners get
-      their state.
-    - ``BUILDING`` -> ``TRAINING``. ``ENTERING`` or ``BUILDING`` -> ``RECOVERING`` when a failure
-      interrupts it.
-    - any phase -> ``STOPPED`` when a stage has no live worker left.
-    """
-
-    STARTING = "starting"
-    JOINING = "joining"
-    TRAINING = "training"
-    DECIDING = "deciding"
-    RECOVERING = "recovering"
-    ENTERING = "entering"
-    BUILDING = "building"
-    LEFT = "left"
-    STOPPED = "stopped"
+T = TypeVar("T")
 
 
-class StageLostError(RuntimeError):
-    """Every worker of a stage is gone: there is no replica left to re-route to."""
+class Plans(Protocol):
+    """What the runtime reads of the engine's plan book."""
+
+    plan: object
+    """The plan running now (its costs and predicted iteration time)."""
+
+    def predicted_time(self, failed: tuple[tuple[int, int], ...]) -> float: ...
+
+    def fault_free_time(self) -> float: ...
 
 
 class Trainee(Protocol):
-    """What the runtime needs of the engine (RecyclePipelineEngine implements it)."""
+    """All the runtime needs of the engine (RecyclePipelineEngine implements it)."""
 
     slot: int
     global_steps: int
     grid: RecycleGrid
+    waiter: object
+    """The engine's :class:`~ds_recycle.runtime.waiting.Waiter`: the watcher's flag bounds its waits."""
+    plans: Plans
+    plan: object
+    """The plan running now (:attr:`Plans.plan`)."""
+    optimizer: object
+    lr_scheduler: object
+    module: torch.nn.Module
+    rejoin_client_state: Callable[[], object] | None
+    received_client_state: object
+
+    @property
+    def topology(self): ...
 
     @property
     def worker(self) -> tuple[int, int]: ...
 
     @property
     def stepped_inflight(self) -> bool: ...
+
+    @property
+    def cost_unit(self) -> str: ...
 
     def install_grid(self, grid: RecycleGrid) -> None: ...
 
@@ -105,48 +99,57 @@ class Trainee(Protocol):
 
     def check_data_available(self) -> None: ...
 
-    def record_change(self, change) -> None: ...
+    def record_change(self, change, reporter: bool) -> None: ...
 
     def is_lowest_live_rank(self) -> bool: ...
 
-    def predicted_iteration_time(self, failed: tuple[tuple[int, int], ...]) -> float: ...
+    def plan_summary(self, fault_free: float | None = None): ...
+
+    def train_batch_size(self) -> int: ...
 
 
 class RankRuntime:
     """Runs the membership protocol of one rank (see the module doc and :class:`Phase`)."""
 
-    def __init__(self, engine: Trainee, agent: MembershipAgent, config) -> None:
-        self.engine = engine
+    def __init__(self, agent: MembershipAgent, config) -> None:
         self.agent = agent
-        agent.group_roles = group_roles(engine.module._topo)
+        self.job = agent.store
+        """The job's store (:class:`~ds_recycle.runtime.job_store.JobStore`)."""
         self.config = config
         """The engine's RecycleConfig (join and detect timeouts, checkpoint)."""
-        self.phase = Phase.STARTING
+        self.engine: Trainee | None = None
+        self.phases = PhaseTracker(agent.slot)
         self.watcher: FailureWatcher | None = None
-        self.phase_listeners: list[Callable[[Phase], None]] = []
-        """Called at every phase change (tests and benches park a rank at a phase)."""
+
+    def attach(self, engine: Trainee) -> None:
+        """The engine this runtime drives (called once, at the end of the engine's construction)."""
+        self.engine = engine
+        self.agent.group_roles = group_roles(engine.topology)
         exit_guard.install()  # before the heartbeat's and the watcher's stops: it runs after them
 
-    def _enter_phase(self, phase: Phase) -> None:
-        self.phase = phase
-        for listener in self.phase_listeners:
-            listener(phase)
+    @property
+    def phase(self) -> Phase:
+        return self.phases.phase
 
     @property
-    def failure_flag(self):
-        return self.watcher.flag
+    def phase_listeners(self) -> list[Callable[[Phase], None]]:
+        """Called at every phase change (tests and benches park a rank at a phase)."""
+        return self.phases.listeners
+
+    def _enter_phase(self, phase: Phase) -> None:
+        self.phases.enter(phase)
 
     # ---- starting ------------------------------------------------------------------------------
 
     def check_placement(self, environ=os.environ) -> None:
         """With several nodes (contiguous ranks per node), refuse a layout in which one node holds
         every replica of a stage: its loss could not be survived in place."""
-        world, per_node = int(environ.get("WORLD_SIZE", 1)), int(environ.get("LOCAL_WORLD_SIZE", 0) or 0)
-        if not 0 < per_node < world:
+        layout = placement.NodeLayout.from_env(environ)
+        if not layout.several:
             return
-        topo = self.engine.module._topo
-        worker_of = {rank: (topo.get_coord(rank).data, topo.get_coord(rank).pipe) for rank in range(world)}
-        nodes = placement.contiguous_nodes(world, per_node)
+        topo = self.engine.topology
+        worker_of = {rank: (topo.get_coord(rank).data, topo.get_coord(rank).pipe) for rank in range(layout.world)}
+        nodes = layout.nodes
         domains = placement.domains_of(nodes, self._domain_labels(len(nodes)))
         unsafe = placement.unsafe_nodes(domains, worker_of, topo.get_dim("pipe"))
         if not unsafe:
@@ -164,7 +167,7 @@ class RankRuntime:
             f"topology=ds_recycle.runtime.placement.pipeline_major_topology(P, D){spread}, or start with "
             "ds-recycle launch --allow-unsafe-placement"
         )
-        if environ.get(proto.ENV_ALLOW_UNSAFE_PLACEMENT) == "1":
+        if environ.get(keys.ENV_ALLOW_UNSAFE_PLACEMENT) == "1":
             logger.warning(f"ReCycle: {message} (allowed)")
             return
         logger.error(f"ReCycle: slot {self.engine.slot} refuses to start: {message}")
@@ -173,9 +176,7 @@ class RankRuntime:
 
     def _domain_labels(self, nodes: int) -> dict[int, str]:
         """Every node's ``--domain`` label, as its agent registered it (before starting its ranks)."""
-        keys = [proto.domain_key(node) for node in range(nodes)]
-        self.agent.store.wait(keys, timedelta(seconds=GROUP_TIMEOUT_SECONDS))
-        return {node: self.agent.store.get(key).decode() for node, key in enumerate(keys)}
+        return self.job.domain_labels(nodes, GROUP_TIMEOUT_SECONDS)
 
     def start(self) -> None:
         """A first-start process: heartbeat, failure watcher, SIGTERM-means-leave."""
@@ -226,12 +227,33 @@ class RankRuntime:
         self._enter_phase(Phase.LEFT)
         logger.warning(
             f"ReCycle: slot {self.engine.slot} gives up joining epoch {membership.epoch}: {failure}; it ends "
-            f"(exit {proto.JOIN_GIVEN_UP_EXIT_CODE}) and its respawn asks to join again"
+            f"(exit {keys.JOIN_GIVEN_UP_EXIT_CODE}) and its respawn asks to join again"
         )
         self.agent.stop()
-        raise exit_guard.exit(proto.JOIN_GIVEN_UP_EXIT_CODE)
+        raise exit_guard.exit(keys.JOIN_GIVEN_UP_EXIT_CODE)
 
     # ---- one iteration ---------------------------------------------------------------------------
+
+    def run(self, attempt: Callable[[], T], resume: Callable[[], T | None] = lambda: None) -> T:
+        """The one entry of the engine's work (an iteration, an evaluation): ``attempt()`` to its end,
+        through any failures. A peer's failure is recovered (the survivors roll back to one
+        iteration and enter the epoch without the dead), then ``resume()`` may give the result that
+        peers had committed before the failure stopped this rank; else ``attempt()`` runs again on
+        the new plan. A lost stage stops the job; a dead helper process makes this rank leave."""
+        while True:
+            try:
+                return attempt()
+            except PeerFailure as failure:
+                self.recover_or_stop(failure)
+                result = resume()
+                if result is not None:
+                    return result
+            except StageLostError as lost:
+                self._stop(lost)
+            except RuntimeError as error:
+                if not _is_helper_death(error):
+                    raise
+                self._leave_after_helper_death(error)
 
     def train_batch(self, run: Callable[[], torch.Tensor], checkpoint: Callable[[], None]) -> torch.Tensor:
         """Run one iteration to its committed end, through any failures and membership changes.
@@ -242,21 +264,15 @@ class RankRuntime:
         is abandoned (``latest`` still names the previous one) and the next is written at its
         interval."""
         began = time.time()
-        while True:
-            try:
-                loss = run()
-                self.agent.publish_iteration_seconds(time.time() - began)
-                self._checkpoint(checkpoint)
-                self._at_boundary()
-                return loss
-            except PeerFailure as failure:
-                self.recover_or_stop(failure)
-            except StageLostError as lost:
-                self._stop(lost)
-            except RuntimeError as error:
-                if not _is_helper_death(error):
-                    raise
-                self._leave_after_helper_death(error)
+
+        def iteration() -> torch.Tensor:
+            loss = run()
+            self.agent.publish_iteration_seconds(time.time() - began)
+            self._checkpoint(checkpoint)
+            self._at_boundary()
+            return loss
+
+        return self.run(iteration)
 
     def _checkpoint(self, checkpoint: Callable[[], None]) -> None:
         iteration = self.engine.global_steps
@@ -276,7 +292,7 @@ class RankRuntime:
             return
         began = time.time()
         if self.engine.slot not in decision.next.members:
-            moves = [c.target for c in decision.changes if c.kind == proto.MOVE and c.slot == self.engine.slot]
+            moves = [c.target for c in decision.changes if c.kind == MOVE and c.slot == self.engine.slot]
             logger.info(
                 f"ReCycle: slot {self.engine.slot} (worker {self.engine.worker}) left the job at iteration "
                 f"{self.engine.global_steps}"
@@ -299,7 +315,7 @@ class RankRuntime:
         retired, under_way = self.agent.migrations()
         if not retired:
             return
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0) or 0) or self.engine.module._topo.world_size()
+        per_node = placement.NodeLayout.from_env(world=self.engine.topology.world_size()).per_node
         proposal = rebalance.propose(self.engine, retired, under_way, per_node)
         if proposal is None:
             logger.info(
@@ -307,7 +323,7 @@ class RankRuntime:
             )
             return
         logger.info(f"ReCycle: slot {self.engine.slot} proposes to {proposal.describe()}")
-        self.agent.request(proto.MOVE, slot=proposal.mover, target=proposal.target)
+        self.agent.request(MOVE, slot=proposal.mover, target=proposal.target)
 
     def _enter_epoch(self, decision: Decision, by_recovery: bool = False) -> None:
         """Enter the epoch ``decision`` makes (``by_recovery``: the survivors' decision, which the
@@ -322,7 +338,7 @@ class RankRuntime:
         kept = engine.grid.keep(decision, engine.slot)
         rebuild_world(self.agent.store, membership, engine.slot, GROUP_TIMEOUT_SECONDS, kept.values())
         grid = RecycleGrid.build(
-            engine.module._topo,
+            engine.topology,
             membership,
             engine.slot,
             GROUP_TIMEOUT_SECONDS,
@@ -400,38 +416,27 @@ class RankRuntime:
     # ---- ends ----------------------------------------------------------------------------------
 
     def _check_survivable(self, membership: Membership) -> None:
-        topo = self.engine.module._topo
+        topo = self.engine.topology
         live_stages = {topo.get_coord(slot).pipe for slot in membership.members}
         empty = [s for s in range(topo.get_dim("pipe")) if s not in live_stages]
-        if not empty:
-            return
-        config, tag = self.config.checkpoint, self._latest_checkpoint()
-        if config is None:
-            after = "No checkpoint is configured (recycle.checkpoint), so the job stops here."
-        elif tag is None:
-            after = f"No checkpoint was written yet in {config.dir}, so the job stops here."
-        else:
-            after = (
-                f"Last checkpoint: {tag} in {config.dir}; ds-recycle launch --respawn restarts every rank "
-                "from it (without --respawn the job ends with exit code 75)."
+        if empty:
+            raise StageLostError(
+                f"stage {empty[0]} has no live worker left in epoch {membership.epoch}: training cannot "
+                "continue in place."
             )
-        raise StageLostError(
-            f"stage {empty[0]} has no live worker left in epoch {membership.epoch}: training cannot "
-            f"continue in place. Last finished iteration: {self.engine.global_steps}. {after}"
-        )
-
-    def _latest_checkpoint(self) -> str | None:
-        from ds_recycle.engine import checkpoint
-
-        return checkpoint.latest_tag(self.config.checkpoint)
 
     def _stop(self, lost: StageLostError) -> None:
-        """Training cannot go on in place: say why, once, and end this rank so that the launcher
-        restarts every rank from the latest checkpoint (exit 75), or stops the job without one."""
+        """Training cannot go on in place (a stage lost every worker, or the plan of a failure set
+        cannot fit in memory): say why and what follows, once, and end this rank so that the
+        launcher restarts every rank from the latest checkpoint (exit 75), or stops the job without one."""
         self._enter_phase(Phase.STOPPED)
-        logger.error(f"ReCycle: slot {self.engine.slot} stops: {lost}")
+        config = self.config.checkpoint
+        logger.error(
+            f"ReCycle: slot {self.engine.slot} stops: {lost} Last finished iteration: {self.engine.global_steps}. "
+            f"{checkpoints.after_stop(config)}"
+        )
         self.agent.stop()
-        raise exit_guard.exit(STOP_EXIT_CODE if self._latest_checkpoint() is None else RESTART_EXIT_CODE)
+        raise exit_guard.exit(STOP_EXIT_CODE if checkpoints.latest_tag(config) is None else RESTART_EXIT_CODE)
 
     def _leave(self) -> None:
         self._enter_phase(Phase.LEFT)
@@ -464,13 +469,14 @@ class RankRuntime:
         change = reporting.membership_change(
             self.engine, decision, before, time.time() - began, detected=detected, rolled_back=rolled_back
         )
-        self.engine.record_change(change)
-        if reporting.is_status_writer(self.engine, before.members):
+        reporter = reporting.is_status_writer(self.engine, before.members)
+        self.engine.record_change(change, reporter)
+        if reporter:
             self.publish_status(change)
 
     def publish_status(self, change: MembershipChange | None = None) -> None:
         """Write the job's status record (:func:`reporting.publish_status`); called on its one writer."""
-        reporting.publish_status(self.agent.store, self.engine, change)
+        reporting.publish_status(self.job, self.engine, change)
 
 
 def _is_helper_death(error: RuntimeError) -> bool:

@@ -5,7 +5,7 @@ The line follows DeepSpeed's log format and says, in one place: the epoch, who l
 joined, the detection latency, the switch time, and the new plan against fault-free and its lower
 bound. The engine hands the change to its monitors on the lowest live rank.
 
-:func:`publish_status` writes the job's :class:`~ds_recycle.runtime.protocol.StatusReport`
+:func:`publish_status` writes the job's :class:`~ds_recycle.runtime.status_schema.StatusReport`
 (``status`` in the store): the plan the members run, with its Gantt chart, and the last
 :data:`CHANGES_KEPT` changes. One member writes it: the lowest one that ran the change (a joiner
 does not report its own join), at start, after every change and after every change of the cost
@@ -19,20 +19,10 @@ import time
 from dataclasses import dataclass
 
 from ds_recycle.log import logger
-from ds_recycle.runtime import protocol as proto
 from ds_recycle.runtime.events import MembershipChange
-from ds_recycle.runtime.protocol import (
-    FAILED,
-    JOIN,
-    LEAVE,
-    MOVE,
-    ChangeReport,
-    Decision,
-    GanttOp,
-    PlanReport,
-    StatusReport,
-    Store,
-)
+from ds_recycle.runtime.job_store import JobStore
+from ds_recycle.runtime.records import FAILED, JOIN, LEAVE, MOVE, Decision
+from ds_recycle.runtime.status_schema import ChangeReport, GanttOp, PlanReport, StatusReport
 
 KINDS = (LEAVE, FAILED, JOIN)
 CHANGES_KEPT = 8
@@ -50,7 +40,7 @@ class Before:
 
     @classmethod
     def of(cls, engine) -> Before:
-        return cls(engine.grid.membership.members, engine.fault_free_iteration_time())
+        return cls(engine.grid.membership.members, engine.plans.fault_free_time())
 
 
 def _net_changes(decision: Decision, members_before, members_after, worker_of) -> dict[str, tuple]:
@@ -89,7 +79,7 @@ def membership_change(
         failed=workers[FAILED],
         joined=workers[JOIN],
         detection_seconds=max(0.0, (detected or now - switch_seconds) - oldest),
-        rebuild_seconds=switch_seconds,
+        switch_seconds=switch_seconds,
         recovery_seconds=None if detected is None else now - oldest,
         rolled_back=rolled_back,
         plan=summary,
@@ -107,7 +97,7 @@ def describe(change: MembershipChange) -> str:
         f"{' (prefetched)' if plan.prefetched else ''} predicts "
         f"{plan.predicted_iteration_time:.1f} ({plan.ratio_to_fault_free:.3f}x fault-free, "
         f"{plan.ratio_to_lower_bound:.3f}x lower bound), {plan.rerouted_microbatches} rerouted F; "
-        f"detected/decided after {change.detection_seconds * 1e3:.0f} ms, switch {change.rebuild_seconds * 1e3:.0f} ms"
+        f"detected/decided after {change.detection_seconds * 1e3:.0f} ms, switch {change.switch_seconds * 1e3:.0f} ms"
     )
     if change.recovery_seconds is not None:
         line += f", recovered {change.recovery_seconds * 1e3:.0f} ms after the failure"
@@ -123,15 +113,15 @@ def is_status_writer(engine, before_members: tuple[int, ...]) -> bool:
     return bool(survivors) and engine.slot == min(survivors)
 
 
-def publish_status(store: Store, engine, change: MembershipChange | None = None) -> StatusReport:
+def publish_status(store: JobStore, engine, change: MembershipChange | None = None) -> StatusReport:
     """Write the job's status record for the plan ``engine`` runs now, with ``change`` appended to
     the changes of the record in the store."""
-    previous = proto.read_status_report(store)
+    previous = store.status_report()
     changes = () if previous is None else previous.changes
     if change is not None:
         changes = (*changes, change_report(change))
     report = status_report(engine, changes[-CHANGES_KEPT:])
-    store.set(proto.STATUS, report.to_json())
+    store.publish_status(report)
     return report
 
 
@@ -143,7 +133,7 @@ def change_report(change: MembershipChange) -> ChangeReport:
         failed=tuple(change.failed),
         joined=tuple(change.joined),
         detection_seconds=change.detection_seconds,
-        switch_seconds=change.rebuild_seconds,
+        switch_seconds=change.switch_seconds,
         recovery_seconds=change.recovery_seconds,
         rolled_back=change.rolled_back,
         time=change.time,
@@ -161,7 +151,7 @@ def status_report(engine, changes: tuple[ChangeReport, ...]) -> StatusReport:
         gantt += [GanttOp(p, s, op.kind, op.home, op.mb, round(op.start, 3), round(op.end, 3)) for op in ops]
     plan_report = PlanReport(
         plan_id=summary.plan_id,
-        unit="ms" if engine.cost_tracker.measured else "cost units",
+        unit=engine.cost_unit,
         failed=tuple(summary.failed),
         slow=tuple(plan.costs.slow),
         predicted_iteration_time=summary.predicted_iteration_time,

@@ -3,7 +3,7 @@
 :func:`read_status` reads everything fresh from the job's store, through a client of its own, and
 writes nothing: the epoch and its members; per slot its worker, its state, its heartbeat age and
 iteration time; per node its lease age; the coordinator's latest changes; and what the ranks
-publish under ``status`` (:class:`~ds_recycle.runtime.protocol.StatusReport`): the plan the
+publish under ``status`` (:class:`~ds_recycle.runtime.status_schema.StatusReport`): the plan the
 members run (predicted iteration time against fault-free and the lower bound, the workers it routes
 around, its Gantt chart) and the last membership changes with their detection and recovery
 latencies. The measured throughput is the samples of one iteration over the slowest member's last
@@ -30,8 +30,11 @@ import time
 from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from ds_recycle.runtime import protocol as proto
-from ds_recycle.runtime.protocol import Change, Lease, Membership, StatusReport, Store
+from ds_recycle.runtime import records
+from ds_recycle.runtime.c10d_store import C10dJobStore
+from ds_recycle.runtime.job_store import JobStore
+from ds_recycle.runtime.records import Change, Membership
+from ds_recycle.runtime.status_schema import ChangeReport, StatusReport
 
 LIVE, SLOW, FAILED, JOINING, LEAVING, OUT = "live", "slow", "failed", "joining", "leaving", "out"
 STATES = (LIVE, SLOW, FAILED, JOINING, LEAVING, OUT)
@@ -146,20 +149,17 @@ class JobStatus:
         }
 
 
-def read_status(store: Store, generation: int, nnodes: int | None = None) -> JobStatus:
+def read_status(store: JobStore, generation: int, nnodes: int | None = None) -> JobStatus:
     """The job's status, read from ``store`` (a client under the generation's prefix)."""
-    membership = proto.read_membership(store)
-    world = int(store.get(proto.WORLD_SIZE))
+    membership = store.membership()
+    world = store.world_size()
     if nnodes is None:
-        nnodes = int(store.get(proto.NODES)) if store.check([proto.NODES]) else 1
+        nnodes = store.node_count() or 1
     per_node = max(1, world // max(1, nnodes))
-    history = proto.read_pending(store)
-    report = proto.read_status_report(store)
-    leases = [
-        None if value is None else Lease.from_json(value)
-        for value in proto.read_present(store, [proto.lease_key(node) for node in range(nnodes)])
-    ]
-    beats = {slot: beat for lease in leases if lease is not None for slot, beat in lease.beats.items()}
+    history = store.changes()
+    report = store.status_report()
+    leases = store.leases(list(range(nnodes)))
+    beats = {slot: beat for lease in leases.values() for slot, beat in lease.beats.items()}
     now = time.time()
     last = {change.slot: change for change in history}
     slow = set() if report is None else {(p, s) for p, s, _ in report.plan.slow}
@@ -178,7 +178,7 @@ def read_status(store: Store, generation: int, nnodes: int | None = None) -> Job
             )
         )
     nodes = tuple(
-        NodeStatus(node, None if lease is None else round(now - lease.time, 3)) for node, lease in enumerate(leases)
+        NodeStatus(node, round(now - leases[node].time, 3) if node in leases else None) for node in range(nnodes)
     )
     times = [slots[s].iteration_s for s in membership.members if slots[s].iteration_s]
     iteration = max(times, default=None)
@@ -202,21 +202,21 @@ def slot_state(member: bool, last: Change | None, slow: bool) -> str:
     """A slot's state from whether it is a member of the current epoch and its last change in
     ``pending`` (the whole history: a change not yet decided is the last one of its slot)."""
     if member:
-        if last is not None and last.kind == proto.FAILED:
+        if last is not None and last.kind == records.FAILED:
             return FAILED
-        if last is not None and last.kind in (proto.LEAVE, proto.MOVE):
+        if last is not None and last.kind in (records.LEAVE, records.MOVE):
             return LEAVING
         return SLOW if slow else LIVE
-    if last is None or last.kind in (proto.LEAVE, proto.MOVE, proto.RETIRED):
+    if last is None or last.kind in (records.LEAVE, records.MOVE, records.RETIRED):
         return OUT
-    return JOINING if last.kind == proto.JOIN else FAILED
+    return JOINING if last.kind == records.JOIN else FAILED
 
 
 class StatusServer:
     """Serves :func:`read_status` as a page and as JSON (see the module doc); read-only."""
 
     def __init__(self, address: str, generation: int, host: str, port: int) -> None:
-        self._store = proto.connect(address, generation, timeout=5.0)
+        self._store = C10dJobStore.connect(address, generation, timeout=5.0)
         self._lock = threading.Lock()
         self.generation = generation
         server = self
@@ -302,7 +302,7 @@ def _workers(workers) -> str:
     return ", ".join(f"({p}, {s})" for p, s in workers)
 
 
-def describe_change(change: proto.ChangeReport) -> str:
+def describe_change(change: ChangeReport) -> str:
     """One change as the page and the terminal show it."""
     parts = [
         f"{kind} {_workers(getattr(change, kind))}" for kind in ("failed", "left", "joined") if getattr(change, kind)

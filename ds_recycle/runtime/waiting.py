@@ -26,25 +26,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 
+from ds_recycle.errors import PeerFailure
 from ds_recycle.runtime import exit_guard
-from ds_recycle.runtime import protocol as proto
+from ds_recycle.runtime.job_store import JobStore
 
 SPIN_SECONDS = 0.0005
 POLL_SECONDS = 0.001
 WAIT_BOUND_SECONDS = 120.0
 """The longest wait for one op when no failure is announced; the process groups' timeout too
 (``runtime/groups.py``), but the pairs', which never time out."""
-
-
-class PeerFailure(RuntimeError):
-    """A peer failed while this worker was waiting on it (or the coordinator announced a failure)."""
-
-
-WATCH_TIMEOUT_SECONDS = 600.0
-"""The longest single wait of a failure watcher for its next alert key (each timeout logs one c10d
-warning line, so it is long: a stopping watcher wakes itself)."""
 
 
 @dataclass
@@ -58,10 +49,10 @@ class FailureWatcher:
     (:attr:`on_changes`), which is how it learns of leaves and joins without reading at boundaries.
     """
 
-    store: object
+    store: JobStore
     """Its own client of the node's store: it is blocked in a wait most of the time."""
     slot: int
-    waker: object
+    waker: JobStore
     """Another client of the node's store: :meth:`stop` sets this watcher's key with it to wake it."""
     on_changes: Callable[..., bool] | None = None
     """Given the watcher's store client (and at a wake the ``alert`` count it read), at start and
@@ -80,7 +71,7 @@ class FailureWatcher:
     def start(self, seen: int | None = None) -> FailureWatcher:
         """Watch the changes after the first ``seen`` (default: every change published so far is
         seen)."""
-        self.seen = int(self.store.add(proto.ALERT, 0)) if seen is None else seen
+        self.seen = self.store.alert_count() if seen is None else seen
         if self.on_changes is not None:
             self.on_changes(self.store)  # the changes up to ``seen`` at least; later ones wake it
         self._thread = threading.Thread(target=self._run, name="recycle-failure-watcher", daemon=True)
@@ -90,35 +81,30 @@ class FailureWatcher:
         return self
 
     def _run(self) -> None:
-        from torch.distributed import DistStoreError
+        try:
+            for value in self.store.slot_alerts(self.slot, lambda: self.seen, self._stop):
+                self._take(value)
+        except Exception:  # the node's agent (and its store) is gone: the job is over
+            self.raise_flag()
 
-        while not self._stop.is_set():
-            key = proto.alert_key(self.slot, self.seen + 1)
-            try:
-                self.store.wait([key], timedelta(seconds=WATCH_TIMEOUT_SECONDS))
-                if self._stop.is_set():
-                    return
-                value = proto.alert_count_after(self.store, key, self.seen)
-            except DistStoreError:  # the wait timed out: nothing failed meanwhile
-                continue
-            except Exception:  # the node's agent (and its store) is gone: the job is over
-                self.raise_flag()
-                return
+    def _take(self, value: int) -> None:
+        """The changes up to ``value`` were published: raise the flag if they concern this rank,
+        and then wait until recovery took them into account (or stop)."""
+        if value <= self.seen:
+            return
+        try:
+            relevant = self.on_changes is None or self.on_changes(self.store, value)
+        except Exception:  # cannot tell: stop and let recovery find out
+            relevant = True
+        with self._lock:
             if value <= self.seen:
-                continue
-            try:
-                relevant = self.on_changes is None or self.on_changes(self.store, value)
-            except Exception:  # cannot tell: stop and let recovery find out
-                relevant = True
-            with self._lock:
-                if value <= self.seen:
-                    continue
-                if not relevant:
-                    self.seen = value
-                    continue
-                self._acknowledged.clear()
-                self.raise_flag()
-            self._acknowledged.wait()  # until recovery took it into account (or stop)
+                return
+            if not relevant:
+                self.seen = value
+                return
+            self._acknowledged.clear()
+            self.raise_flag()
+        self._acknowledged.wait()
 
     def raise_flag(self) -> None:
         if not self.flag.is_set():
@@ -138,7 +124,7 @@ class FailureWatcher:
         self._stop.set()
         self._acknowledged.set()
         try:
-            self.waker.set(proto.alert_key(self.slot, self.seen + 1), "stop")
+            self.waker.wake_slot_watcher(self.slot, self.seen)
         except Exception:  # the store is gone: the watcher's wait fails by itself
             pass
         self._thread.join(timeout=1.0)

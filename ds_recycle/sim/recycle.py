@@ -28,6 +28,7 @@ from ds_recycle.planner.limits import LIMITS
 from ds_recycle.planner.list_scheduler import ScheduleOptions
 from ds_recycle.planner.lower_bound import lower_bound
 from ds_recycle.planner.plan import Worker
+from ds_recycle.planner.request import PlanRequest
 from ds_recycle.sim.job import Job
 from ds_recycle.sim.rebalance import RebalanceParams, Rebalancer, Reshape, Split, pays
 from ds_recycle.sim.repair import DEFAULT_PRIOR_S, RepairEstimate
@@ -230,7 +231,7 @@ class Recycle:
         key = ("plan", failed, split)
         if key not in self._periods:
             try:
-                plan = self.cache.get_or_plan(D, P, m, failed, costs, cap)
+                plan = self.cache.get_or_plan(PlanRequest(D, P, m, failed, costs, cap))
                 self._periods[key] = (plan.steady_state_period / 1e3, plan.iteration_time / 1e3, "plan")
             except ValueError:
                 self._periods[key] = None

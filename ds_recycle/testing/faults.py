@@ -132,8 +132,8 @@ class FaultPlan:
             time.sleep(0.005)
 
     def _install(self, points: set[str]) -> None:
-        from ds_recycle.instructions.routed import BackwardInput, BackwardWeight, ForwardPass, StaggeredStep
-        from ds_recycle.runtime.recovery import Phase
+        from ds_recycle.planner.actions import BackwardInput, BackwardWeight, ForwardPass, StaggeredStep
+        from ds_recycle.runtime.phases import Phase
 
         engine = self.engine
 

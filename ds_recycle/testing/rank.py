@@ -62,12 +62,10 @@ def build_engine(pp: int, optimizer_name: str, config: dict, data: str = "provid
     import torch
 
     import ds_recycle
-    from ds_recycle.data import TokenWindowProvider, shipped_corpus_tokens
-    from ds_recycle.models import build_gpt_pipeline
+    from ds_recycle.testing.tiny import tiny_pipeline
 
-    tokenizer, tokens = shipped_corpus_tokens()
-    cfg = TINY_GPT.config(tokenizer.vocab_size)
-    model = build_gpt_pipeline(cfg, num_stages=pp, seed=0)
+    tiny = tiny_pipeline(pp)
+    model = tiny.model
     params = [p for p in model.parameters() if p.requires_grad]
     if optimizer_name == "adam":
         optimizer = torch.optim.Adam(params, lr=1e-2, weight_decay=0.01)
@@ -76,8 +74,8 @@ def build_engine(pp: int, optimizer_name: str, config: dict, data: str = "provid
     # A decaying LR, as most jobs have: every iteration steps with its own rate, so an undone
     # finished iteration must restore the rate its step used.
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda iteration: 1.0 / (1.0 + LR_DECAY * iteration))
-    provider = TokenWindowProvider(tokens, cfg.seq_len, config["train_micro_batch_size_per_gpu"], seed=0)
-    training_data = provider if data == "provider" else WindowDataset(tokens, cfg.seq_len)
+    provider = tiny.provider(config["train_micro_batch_size_per_gpu"])
+    training_data = provider if data == "provider" else WindowDataset(tiny.tokens, tiny.cfg.seq_len)
     engine, _, _, _ = ds_recycle.initialize(
         model=model, optimizer=optimizer, config=config, training_data=training_data, lr_scheduler=schedule
     )

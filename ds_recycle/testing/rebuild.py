@@ -15,7 +15,7 @@ survivor then connects the peers of epoch 2's plan (the heuristic's plan for the
 lowered: the workers its stream sends to or receives from, and those of the optimizer step,
 :func:`~ds_recycle.engine.staggered_step.step_peers`), one two-rank group each, keeping the pairs
 of epoch 1 whose peers survive; and it keeps the stage and pipe groups that do not contain the lost
-worker (the decision remakes the others: :func:`~ds_recycle.runtime.protocol.groups_to_remake`).
+worker (the decision remakes the others: :func:`~ds_recycle.runtime.policy.groups_to_remake`).
 ``connect="kept"`` is what the runtime did in session 39: the pairs kept, every stage and pipe
 group made afresh. ``connect="pairs"`` is what it did until session 39: the
 same pairs, each epoch's made afresh. ``connect="all"`` is what it did until session 33: one
@@ -34,7 +34,10 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from ds_recycle.runtime.protocol import Decision, Membership, groups_to_remake, serve
+from ds_recycle.runtime.keys import world_prefix
+from ds_recycle.runtime.policy import groups_to_remake
+from ds_recycle.runtime.records import Decision, Membership
+from ds_recycle.runtime.transport import serve
 from ds_recycle.testing import spawn_context
 from ds_recycle.testing.scale import COUNTS, CountingStore
 
@@ -69,16 +72,17 @@ _CLONES: list[CountedStore] = []
 
 @dataclass
 class CountedClones:
-    """What :func:`rebuild_world` takes as the job store: it only clones it, for the world's own
-    client. The clones are kept here: a Python store that only C++ still references has lost its
-    methods (torch then raises "Not implemented")."""
+    """What :func:`rebuild_world` takes of the job store: the world's own client
+    (:meth:`~ds_recycle.runtime.job_store.JobStore.world_rendezvous`), here a counted clone. The
+    clones are kept here: a Python store that only C++ still references has lost its methods
+    (torch then raises "Not implemented")."""
 
     root: dist.Store
     made: list = field(default_factory=list)
 
-    def clone(self) -> CountedStore:
+    def world_rendezvous(self, epoch: int) -> dist.Store:
         self.made.append(CountedStore(self.root.clone()))
-        return self.made[-1]
+        return dist.PrefixStore(world_prefix(epoch), self.made[-1])
 
 
 CONNECTS = ("all", "pairs", "kept", "groups")

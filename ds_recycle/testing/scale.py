@@ -6,7 +6,7 @@ and the real :class:`FailureWatcher`, driven by a loop that sleeps through each 
 of computing. An emulated node is a real :class:`NodeLink` (lease, reports, kill orders) and a real
 :class:`NodeWatch` (the node's store, with its copy of the job's changes). The
 coordinator is the real :class:`Coordinator`, in the harness's process beside the TCPStore server.
-Worker processes host the nodes; in them every store client that ``protocol.connect`` opens is a
+Worker processes host the nodes; in them every store client that ``transport.connect`` opens is a
 :class:`CountingStore`, so the harness counts exactly the operations the real code makes (those on
 the nodes' own stores apart, in :data:`NODE_COUNTS`: they never reach the job's store).
 
@@ -28,12 +28,13 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from ds_recycle.runtime import protocol as proto
+from ds_recycle.runtime import transport
+from ds_recycle.runtime.c10d_store import C10dJobStore
 from ds_recycle.runtime.coordinator import Coordinator, HeartbeatPolicy, NodeLayout, RankExit
 from ds_recycle.runtime.membership import MembershipAgent
 from ds_recycle.runtime.node import NodeLink
 from ds_recycle.runtime.node_watch import NodeWatch
-from ds_recycle.runtime.protocol import Membership, Progress
+from ds_recycle.runtime.records import Progress
 from ds_recycle.runtime.waiting import FailureWatcher
 from ds_recycle.testing import spawn_context
 
@@ -42,10 +43,12 @@ THREAD_STACK_BYTES = 256 * 1024
 
 
 class CountingStore:
-    """A store client that counts its operations and the bytes it reads (all instances of one
-    process add into ``counts``: :data:`COUNTS` by default)."""
+    """A c10d store client that counts its operations and the bytes it reads (all instances of one
+    process add into ``counts``: :data:`COUNTS` by default): a
+    :class:`~ds_recycle.runtime.c10d_store.C10dJobStore` speaks through it as through the client
+    it wraps."""
 
-    def __init__(self, store: proto.Store, counts: collections.Counter | None = None) -> None:
+    def __init__(self, store: transport.Store, counts: collections.Counter | None = None) -> None:
         self._store = store
         self._counts = COUNTS if counts is None else counts
         self.ops = 0
@@ -110,9 +113,14 @@ NODE_ADDRESSES: set[str] = set()
 
 
 def _counting_connect(connect):
-    def counted(address: str, generation: int, timeout: float = proto.STORE_TIMEOUT_SECONDS) -> CountingStore:
+    def counted(
+        address: str,
+        generation: int | None,
+        timeout: float = transport.STORE_TIMEOUT_SECONDS,
+        connect_timeout: float | None = None,
+    ) -> CountingStore:
         counts = NODE_COUNTS if address in NODE_ADDRESSES else COUNTS
-        return CountingStore(connect(address, generation, timeout), counts)
+        return CountingStore(connect(address, generation, timeout, connect_timeout), counts)
 
     counted.counting = True
     return counted
@@ -170,7 +178,7 @@ class EmulatedRank:
         agent = self.agent
         agent.store = agent.connect()
         agent.node_store = agent.connect_node()
-        agent.current = proto.read_membership(agent.store)
+        agent.current = agent.store.membership()
         agent.start_heartbeat()
         watcher = FailureWatcher(agent.connect_node(), agent.slot, agent.node_store, agent.note_changes)
         self.watcher = watcher.start()
@@ -188,12 +196,12 @@ class EmulatedRank:
             if self.stop.is_set():
                 return
             done += 1
-            before, ops = agent.store.bytes_read, agent.store.ops
+            before, ops = agent.store.client.bytes_read, agent.store.client.ops
             agent.publish_iteration_seconds(self.shape.iteration_seconds)
             decision = agent.decide(done)
-            read, made = agent.store.bytes_read - before, agent.store.ops - ops
+            read, made = agent.store.client.bytes_read - before, agent.store.client.ops - ops
             self.records.append(("boundary", agent.slot, done, boundary, time.time(), read, made))
-            self.watcher_ops = self.watcher.store.ops
+            self.watcher_ops = self.watcher.store.client.ops
             if decision.next is not None:
                 if agent.slot not in decision.next.members:
                     return
@@ -201,14 +209,14 @@ class EmulatedRank:
 
     def _recover(self, done: int) -> int:
         agent, watcher = self.agent, self.watcher
-        before, ops = agent.store.bytes_read, agent.store.ops
+        before, ops = agent.store.client.bytes_read, agent.store.client.ops
         members = agent.current.members
         decision = agent.recover(Progress(done, False), members, 30.0, 60.0)
         held, raised_at = time.time(), watcher.raised_at
         watcher.acknowledge(agent.applied)
         epoch = decision.next.epoch
-        read, made = agent.store.bytes_read - before, agent.store.ops - ops
-        watched, self.watcher_ops = watcher.store.ops - self.watcher_ops, watcher.store.ops
+        read, made = agent.store.client.bytes_read - before, agent.store.client.ops - ops
+        watched, self.watcher_ops = watcher.store.client.ops - self.watcher_ops, watcher.store.client.ops
         self.records.append(("recovered", agent.slot, epoch, raised_at, held, read, made, watched))
         if agent.slot not in decision.next.members:
             return -1
@@ -232,7 +240,7 @@ def _worker(
     threading.stack_size(THREAD_STACK_BYTES)
     # A process's first connect can take seconds here (a reverse lookup of the client socket's
     # address times out): take it before any client with a short timeout (a NodeLink's) connects.
-    proto.connect(address, 0, timeout=60.0)
+    transport.connect(address, 0, timeout=60.0)
     count_store_operations()
     COUNTS.clear()  # forked: the parent's counts are not this process's
     NODE_COUNTS.clear()
@@ -327,13 +335,14 @@ def _serve_store(host: str, ports: mp.Queue, use_libuv: bool = True) -> None:
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    server = proto.serve(host, 0, timeout=60.0, use_libuv=use_libuv)
+    server = transport.serve(host, 0, timeout=60.0, use_libuv=use_libuv)
     ports.put(server.port)
     threading.Event().wait()
 
 
 def _hammer(address: str, clients: int, seconds: float, start, results: mp.Queue) -> None:
-    """``clients`` threads, each with its own client, doing ``add(key, 0)`` back to back for
+    """``clients`` threads, each with its own client, reading the ``alert`` count (one ``add(key,
+    0)``) back to back for
     ``seconds`` once every client of every process is connected (``start``, a barrier: a connect
     here can take seconds)."""
     counts = [0] * clients
@@ -341,12 +350,12 @@ def _hammer(address: str, clients: int, seconds: float, start, results: mp.Queue
     go, stop = threading.Event(), threading.Event()
 
     def run(index: int) -> None:
-        store = proto.connect(address, 0, timeout=60.0)
-        store.add("hammer", 0)
+        store = C10dJobStore.connect(address, 0, timeout=60.0)
+        store.alert_count()
         connected.release()
         go.wait()
         while not stop.is_set():
-            store.add("hammer", 0)
+            store.alert_count()
             counts[index] += 1
 
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(clients)]
@@ -423,10 +432,7 @@ class Harness:
         self.port = ports.get(timeout=120.0)
         self.address = f"{self.host}:{self.port}"
         n = self.shape.ranks
-        store = proto.connect(self.address, 0, timeout=60.0)
-        store.set(proto.WORLD_SIZE, str(n))
-        store.set(proto.epoch_key(0), Membership(0, tuple(range(n)), 0).to_json())
-        store.set(proto.CURRENT_EPOCH, "0")
+        C10dJobStore.connect(self.address, 0, timeout=60.0).open_job(n)
         layout = NodeLayout(self.shape.nodes, self.shape.per_node, self.shape.lease_seconds)
         self.root = tempfile.mkdtemp(prefix="ds_recycle_scale_beats_")
         self.coordinator = Coordinator(
@@ -512,7 +518,7 @@ class Harness:
 
 
 def count_store_operations() -> None:
-    """From now on, every store client this process opens through ``protocol.connect`` counts into
+    """From now on, every store client this process opens through ``transport.connect`` counts into
     :data:`COUNTS` (a harness process's own clients: the bench's and its workers')."""
-    if not getattr(proto.connect, "counting", False):
-        proto.connect = _counting_connect(proto.connect)
+    if not getattr(transport.connect, "counting", False):
+        transport.connect = _counting_connect(transport.connect)

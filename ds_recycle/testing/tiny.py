@@ -6,6 +6,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
+
+    from ds_recycle.data import TokenWindowProvider
     from ds_recycle.models import GPTConfig
 
 
@@ -35,6 +38,33 @@ class TinyGPT:
 
 
 TINY_GPT = TinyGPT()
+
+
+@dataclass
+class TinyPipeline:
+    """This rank's stage of the tiny GPT and the corpus it trains on."""
+
+    model: torch.nn.Module
+    cfg: GPTConfig
+    tokens: torch.Tensor
+
+    def provider(self, micro_batch_size: int) -> TokenWindowProvider:
+        """The deterministic provider every run reads (seed 0)."""
+        from ds_recycle.data import TokenWindowProvider
+
+        return TokenWindowProvider(self.tokens, self.cfg.seq_len, micro_batch_size, seed=0)
+
+
+def tiny_pipeline(pp: int, seed: int = 0, checkpoint: int = 0) -> TinyPipeline:
+    """The tiny GPT in ``pp`` stages from ``seed``, with activation checkpointing every
+    ``checkpoint`` layers (0: none)."""
+    from ds_recycle.data import shipped_corpus_tokens
+    from ds_recycle.models import build_gpt_pipeline
+
+    tokenizer, tokens = shipped_corpus_tokens()
+    cfg = TINY_GPT.config(tokenizer.vocab_size)
+    model = build_gpt_pipeline(cfg, num_stages=pp, seed=seed, activation_checkpoint_interval=checkpoint)
+    return TinyPipeline(model, cfg, tokens)
 
 
 def ds_config(

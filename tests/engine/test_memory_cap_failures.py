@@ -108,6 +108,6 @@ def test_a_failure_set_whose_plan_cannot_fit_takes_the_fallback_in_one_line(tmp_
     for line in lines:
         assert "the plan for failure set [(1, 1)] cannot fit in memory: memory cap 0 micro-batches" in line, line
         assert f"stage 1 needs {STAGE1_STATIC} static + 1 x {STAGE1_PER_MICROBATCH} bytes" in line, line
-        assert "no checkpoint is configured (recycle.checkpoint), so the job stops here" in line, line
+        assert "No checkpoint is configured (recycle.checkpoint), so the job stops here" in line, line
     assert job.count(r"job stopped before it finished") == 1, job.log_tail()
     assert "Traceback" not in logs, logs[-3000:]

@@ -158,7 +158,7 @@ def failure(at: int) -> MembershipChange:
         iteration=at,
         failed=((1, 0),),
         detection_seconds=0.25,
-        rebuild_seconds=0.5,
+        switch_seconds=0.5,
         recovery_seconds=0.9,
         rolled_back=True,
         plan=PLAN,
@@ -168,7 +168,7 @@ def failure(at: int) -> MembershipChange:
 
 def rejoin(at: int) -> MembershipChange:
     return MembershipChange(
-        epoch=2, iteration=at, joined=((1, 0),), detection_seconds=0.1, rebuild_seconds=0.7, plan=FAULT_FREE
+        epoch=2, iteration=at, joined=((1, 0),), detection_seconds=0.1, switch_seconds=0.7, plan=FAULT_FREE
     )
 
 
@@ -218,7 +218,7 @@ def test_offline_run_holds_iterations_failure_and_rejoin(offline):
     failed = rows[2]
     assert failed["recycle/event/failed"] == 1 and failed["recycle/event/rolled_back"] == 1
     assert failed["recycle/event/detection_s"] == 0.25
-    assert failed["recycle/event/rebuild_s"] == 0.5
+    assert failed["recycle/event/switch_s"] == 0.5
     assert failed["recycle/event/recovery_s"] == 0.9
     assert failed["recycle/rerouted_microbatches"] == 4 and failed["recycle/predicted_iteration_time"] == 130.0
     assert failed["recycle/live_workers/stage_0"] == 1 and failed["recycle/live_workers/stage_1"] == 2
@@ -400,7 +400,7 @@ def test_killing_the_writer_moves_the_run_to_the_next_lowest_rank(tmp_path, clea
     assert event["train/global_step"] in (KILL_AFTER - 1, KILL_AFTER)  # the in-flight iteration may roll back
     # detection counts from the launcher's waitpid, which a survivor's failed receive may precede: >= 0
     assert 0 <= event["recycle/event/detection_s"] < 60
-    assert 0 < event["recycle/event/rebuild_s"] < 60 and 0 < event["recycle/event/recovery_s"] < 60
+    assert 0 < event["recycle/event/switch_s"] < 60 and 0 < event["recycle/event/recovery_s"] < 60
     assert event["recycle/event/recovery_s"] >= event["recycle/event/detection_s"]
     assert event["recycle/live_workers/stage_0"] == 1 and event["recycle/live_workers/stage_1"] == 2
     assert event["recycle/failed_workers"] == 1 and event["recycle/rerouted_microbatches"] > 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -19,6 +20,7 @@ from ds_recycle.planner.list_scheduler import ScheduleOptions
 from ds_recycle.planner.lower_bound import NoSurvivorError, lower_bound
 from ds_recycle.planner.normalize import canonical, invert, relabel
 from ds_recycle.planner.plan import CostModel, Plan
+from ds_recycle.planner.request import PlanRequest
 from ds_recycle.planner.validator import validate
 
 
@@ -190,10 +192,11 @@ def test_memory_cap_is_respected_when_tight():
 
 def test_cache_round_trip_and_hits(tmp_path):
     cache = PlanCache(tmp_path)
-    first = cache.get_or_plan(3, 4, 4, [(2, 1)])
+    request = PlanRequest(3, 4, 4, [(2, 1)])
+    first = cache.get_or_plan(request)
     assert (cache.hits, cache.misses) == (0, 1)
-    again = cache.get_or_plan(3, 4, 4, [(2, 1)])
-    relabelled = cache.get_or_plan(3, 4, 4, [(1, 1)])
+    again = cache.get_or_plan(request)
+    relabelled = cache.get_or_plan(request.with_failed([(1, 1)]))
     assert (cache.hits, cache.misses) == (2, 1)
     for plan in (first, again, relabelled):
         _check(plan)
@@ -202,15 +205,15 @@ def test_cache_round_trip_and_hits(tmp_path):
     assert again == first
     # a fresh cache reads the entry back from disk
     other = PlanCache(tmp_path)
-    from_disk = other.get(3, 4, 4, [(2, 1)])
+    from_disk = other.get(request)
     assert other.hits == 1 and from_disk == first
     # different costs, cap or options are different entries
-    assert cache.get(3, 4, 4, [(2, 1)], memory_cap=2) is None
-    assert cache.get(3, 4, 4, [(2, 1)], costs=CostModel.uniform(4, comm=1)) is None
-    assert cache.get(3, 4, 4, [(2, 1)], options=ScheduleOptions(decoupled=False)) is None
+    assert cache.get(replace(request, memory_cap=2)) is None
+    assert cache.get(replace(request, costs=CostModel.uniform(4, comm=1))) is None
+    assert cache.get(replace(request, options=ScheduleOptions(decoupled=False))) is None
 
 
-def test_precompute_covers_every_canonical_set(tmp_path):
+def test_the_canonical_sets_cover_every_failure_set_and_their_plans_every_relabelling(tmp_path):
     D, P = 3, 3
     for max_failures in range(4):
         brute = set()
@@ -221,14 +224,17 @@ def test_precompute_covers_every_canonical_set(tmp_path):
                     brute.add(canonical(D, P, failed)[0])
         assert set(canonical_failure_sets(D, P, max_failures)) == brute
     cache = PlanCache(tmp_path)
-    count = cache.precompute(D, P, 3, 2)
-    assert count == len(set(canonical_failure_sets(D, P, 2))) == len(cache)
+    request = PlanRequest(D, P, 3)
+    for failed in canonical_failure_sets(D, P, 2):
+        cache.get_or_plan(request.with_failed(failed))
+    count = len(set(canonical_failure_sets(D, P, 2)))
+    assert count == len(cache) == cache.misses
     misses = cache.misses
     rng = random.Random(1)
     for _ in range(20):
         failed = rng.sample([(p, s) for p in range(D) for s in range(P)], rng.randint(0, 2))
         if any(sum(1 for _p, s in failed if s == q) == D for q in range(P)):
             continue
-        _check(cache.get_or_plan(D, P, 3, failed))
+        _check(cache.get_or_plan(request.with_failed(failed)))
     assert cache.misses == misses  # all hits
     assert math.isclose(len(list(tmp_path.glob("*.json"))), count)

@@ -1,4 +1,4 @@
-"""PlanRequest: defaults and checks shared by plan_heuristic, lower_bound and PlanCache."""
+"""PlanRequest: defaults and checks shared by plan_heuristic, plan_milp, lower_bound and PlanCache."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import pytest
 from ds_recycle.planner.cache import PlanCache
 from ds_recycle.planner.heuristic import plan_heuristic
 from ds_recycle.planner.list_scheduler import ScheduleOptions
-from ds_recycle.planner.lower_bound import bound_parts, lower_bound_parts
+from ds_recycle.planner.lower_bound import bound_parts, lower_bound, lower_bound_parts
+from ds_recycle.planner.milp import plan_milp
 from ds_recycle.planner.plan import CostModel
 from ds_recycle.planner.request import PlanRequest
 
@@ -29,9 +30,18 @@ def test_defaults_and_failure_set() -> None:
     ],
 )
 def test_every_entry_point_refuses_the_same_way(args: tuple, message: str) -> None:
-    for call in (PlanRequest, plan_heuristic, PlanCache().get_or_plan):
+    for call in (PlanRequest, plan_heuristic, plan_milp, lower_bound):
         with pytest.raises(ValueError, match=message):
             call(*args)
+
+
+def test_with_failed_is_the_same_request_for_another_failure_set() -> None:
+    costs = CostModel.uniform(4, comm=0.5)
+    request = PlanRequest(3, 4, 5, [(0, 1)], costs, 2, ScheduleOptions(decoupled=False))
+    other = request.with_failed([(2, 3), (1, 0), (2, 3)])
+    assert other == PlanRequest(3, 4, 5, [(1, 0), (2, 3)], costs, 2, ScheduleOptions(decoupled=False))
+    assert request.failed == ((0, 1),)
+    assert PlanCache().get_or_plan(other).failed == ((1, 0), (2, 3))
 
 
 def test_the_bound_of_a_request_is_the_bound_of_its_parameters() -> None:

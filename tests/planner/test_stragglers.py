@@ -10,6 +10,7 @@ from ds_recycle.planner.fault_free import fault_free_plan
 from ds_recycle.planner.heuristic import balanced_give, plan_heuristic, reroute_assignment
 from ds_recycle.planner.lowering import lower
 from ds_recycle.planner.plan import FORWARD, CostModel
+from ds_recycle.planner.request import PlanRequest
 from ds_recycle.planner.validator import validate
 
 BASE = CostModel((1.2, 1.0, 1.0, 1.6), (1.2, 1.0, 1.0, 1.6), (0.72, 0.6, 0.6, 0.96))
@@ -76,8 +77,8 @@ def test_a_mild_straggler_whose_slowness_hides_keeps_its_work():
 def test_straggler_plans_are_cached_under_the_callers_labels():
     cache = PlanCache()
     costs = slow(BASE, (3, 1, 2.0))
-    first = cache.get_or_plan(4, 4, 8, [(0, 2)], costs=costs)
-    again = cache.get_or_plan(4, 4, 8, [(0, 2)], costs=costs)
+    first = cache.get_or_plan(PlanRequest(4, 4, 8, [(0, 2)], costs))
+    again = cache.get_or_plan(PlanRequest(4, 4, 8, [(0, 2)], costs))
     assert (cache.misses, cache.hits) == (1, 1)
     assert again.workers == first.workers
     assert (0, 2) not in first.workers and (3, 1) in first.workers

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 import ds_recycle  # noqa: E402
 from ds_recycle.data import TokenWindowProvider, pipeline_iterator, shipped_corpus_tokens  # noqa: E402
-from ds_recycle.engine.pipeline_engine import RecycleDataError  # noqa: E402
+from ds_recycle.errors import RecycleDataError  # noqa: E402
 from ds_recycle.models import build_gpt_pipeline  # noqa: E402
 from ds_recycle.testing.tiny import TINY_GPT  # noqa: E402
 
@@ -38,7 +38,7 @@ EVAL_ITERATION = 10_000
 
 def evaluate(engine, data, micro_batches: int | None = None) -> dict:
     loss = engine.eval_batch(data, num_micro_batches=micro_batches)
-    evaluation = engine.evaluation
+    evaluation = engine.evaluator.current
     return {
         "loss": float(loss),
         "shape": tuple(loss.shape),
@@ -101,23 +101,23 @@ def main() -> None:
     torch.save(record, args.out / f"{slot}.pt")
 
     if slot == args.late_victim:
-        commit = engine._commit_evaluation
+        commit = engine.evaluator._commit
 
         def commit_then_die(evaluation, loss) -> None:
             commit(evaluation, loss)
             os.kill(os.getpid(), signal.SIGKILL)
 
-        engine._commit_evaluation = commit_then_die
+        engine.evaluator._commit = commit_then_die
     if slot == 0:
-        reduce = engine._eval_loss
+        reduce = engine.evaluator._loss
 
         def late(evaluation):
             time.sleep(1.0)
             return reduce(evaluation)
 
-        engine._eval_loss = late
+        engine.evaluator._loss = late
     record["after_commit"] = evaluate(engine, source)
-    vars(engine).pop("_eval_loss", None)
+    vars(engine.evaluator).pop("_loss", None)
     record["trained_last"] = float(engine.train_batch())
     record["final"] = evaluate(engine, source)
     record["final_steps"] = engine.global_steps

@@ -22,12 +22,14 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from ds_recycle.runtime import protocol as proto
+from ds_recycle.runtime import keys, records, transport
 from ds_recycle.runtime.beats import write_beat
+from ds_recycle.runtime.c10d_store import C10dJobStore
 from ds_recycle.runtime.coordinator import Coordinator, HeartbeatPolicy, NodeLayout, RankExit
 from ds_recycle.runtime.node import KILL_CHECK_SECONDS, NodeLink
 from ds_recycle.runtime.node_watch import NodeWatch
-from ds_recycle.runtime.protocol import KillOrder, Lease, Membership, Request
+from ds_recycle.runtime.policy import moves_under_way, retired_slots
+from ds_recycle.runtime.records import KillOrder, Membership, Request
 
 TOKEN = "a" * 32
 WORLD = 4
@@ -38,10 +40,10 @@ class Harness:
         self.server = dist.TCPStore(
             "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
         )
-        self.store = dist.PrefixStore(proto.prefix(0), self.server)
-        self.store.set(proto.WORLD_SIZE, str(WORLD))
-        self.store.set(proto.epoch_key(0), Membership(0, tuple(range(WORLD)), 0).to_json())
-        self.store.set(proto.CURRENT_EPOCH, "0")
+        self.raw = dist.PrefixStore(keys.prefix(0), self.server)
+        """The job's keys on the wire, for what a test checks there."""
+        self.store = C10dJobStore(self.raw)
+        self.store.open_job(WORLD)
         self.lines: list[str] = []
         self._node_watch: NodeWatch | None = None
         self.events: list[dict] = []
@@ -66,7 +68,7 @@ class Harness:
         self.coordinator.start()
 
     def beat(self, slot: int, when: float, iteration_seconds: float | None = None) -> None:
-        write_beat(self.beats_dir, slot, proto.Beat(when, iteration_seconds))
+        write_beat(self.beats_dir, slot, records.Beat(when, iteration_seconds))
 
     def node_watch(self) -> NodeWatch:
         """The node's watch (one node of every slot, as without ``nodes``), started at first use."""
@@ -84,7 +86,7 @@ class Harness:
         agent.node_address = watch.address
         agent.node_slots = tuple(watch.slots)
         agent.store, agent.node_store = agent.connect(), agent.connect_node()
-        agent.current = proto.read_membership(agent.store)
+        agent.current = agent.store.membership()
         return agent
 
     def stop(self) -> None:
@@ -94,14 +96,13 @@ class Harness:
         shutil.rmtree(self.beats_dir, ignore_errors=True)
 
     def request(self, kind: str, slot: int, token: str = TOKEN, pid: int = 4242, target: int | None = None) -> None:
-        index = self.store.add(proto.REQUEST_COUNT, 1)
-        self.store.set(proto.request_key(index), Request(kind, slot, token, pid, time.time(), target).to_json())
+        self.store.post_request(Request(kind, slot, token, pid, time.time(), target))
 
-    def pending(self) -> list[proto.Change]:
-        return proto.read_pending(self.store)
+    def pending(self) -> list[records.Change]:
+        return self.store.changes()
 
     def alerts(self) -> int:
-        return int(self.store.add(proto.ALERT, 0))
+        return self.store.alert_count()
 
     def wait_for_line(self, fragment: str, timeout: float = 10.0) -> str:
         deadline = time.monotonic() + timeout
@@ -114,9 +115,7 @@ class Harness:
 
     def advance(self, members: tuple[int, ...]) -> None:
         """What the members do at a boundary: publish epoch n+1 and advance current_epoch."""
-        epoch = int(self.store.get(proto.CURRENT_EPOCH)) + 1
-        self.store.set(proto.epoch_key(epoch), Membership(epoch, members, 0).to_json())
-        self.store.set(proto.CURRENT_EPOCH, str(epoch))
+        self.store.publish_epoch(Membership(self.store.current_epoch() + 1, members, 0))
 
 
 @pytest.fixture
@@ -128,28 +127,28 @@ def harness():
 
 def test_requests_are_validated_and_refused_ones_change_nothing(harness):
     h = harness
-    h.request(proto.JOIN, 1, token="b" * 32, pid=777)
+    h.request(records.JOIN, 1, token="b" * 32, pid=777)
     assert h.wait_for_line("refused join request for slot 1 from pid 777").endswith("wrong token")
     h.request("explode", 1)
     h.wait_for_line("unknown kind 'explode'")
-    h.request(proto.LEAVE, WORLD)
+    h.request(records.LEAVE, WORLD)
     h.wait_for_line(f"slot out of range (0..{WORLD - 1})")
-    h.request(proto.JOIN, 2)
+    h.request(records.JOIN, 2)
     h.wait_for_line("refused join request for slot 2 from pid 4242: still a member")
     assert h.pending() == [] and h.alerts() == 0, "a refused request must change nothing"
 
-    h.request(proto.LEAVE, 3)
+    h.request(records.LEAVE, 3)
     h.wait_for_line("accepted leave of slot 3")
-    h.request(proto.LEAVE, 3)
+    h.request(records.LEAVE, 3)
     h.wait_for_line("refused leave request for slot 3 from pid 4242: already leaving")
     h.advance((0, 1, 2))
-    h.request(proto.LEAVE, 3)
+    h.request(records.LEAVE, 3)
     h.wait_for_line("refused leave request for slot 3 from pid 4242: not a member")
-    h.request(proto.JOIN, 3)
+    h.request(records.JOIN, 3)
     h.wait_for_line("accepted join of slot 3")
-    h.request(proto.JOIN, 3)
+    h.request(records.JOIN, 3)
     h.wait_for_line("refused join request for slot 3 from pid 4242: a join of this slot is already pending")
-    assert [(c.seq, c.kind, c.slot) for c in h.pending()] == [(0, proto.LEAVE, 3), (1, proto.JOIN, 3)]
+    assert [(c.seq, c.kind, c.slot) for c in h.pending()] == [(0, records.LEAVE, 3), (1, records.JOIN, 3)]
     assert h.alerts() == len(h.pending()), "every accepted change wakes the watchers: alert is the length of pending"
 
 
@@ -159,32 +158,32 @@ def test_waitpid_exit_of_a_member_is_published_once_as_a_failure(harness):
     line = h.wait_for_line("published failure of slot 2 (signal SIGKILL)")
     assert "ms after waitpid saw the exit" in line
     (change,) = h.pending()
-    assert (change.seq, change.kind, change.slot, change.detail) == (0, proto.FAILED, 2, "signal SIGKILL")
+    assert (change.seq, change.kind, change.slot, change.detail) == (0, records.FAILED, 2, "signal SIGKILL")
     assert h.alerts() == len(h.pending())
     # A failed slot joins again (its respawn) once an epoch without it is decided, not before.
-    h.request(proto.JOIN, 2)
+    h.request(records.JOIN, 2)
     h.wait_for_line("refused join request for slot 2 from pid 4242: still a member")
     h.advance((0, 1, 3))
     h.coordinator.rank_started(2, 1, time.time())  # the respawn
-    h.request(proto.JOIN, 2)
+    h.request(records.JOIN, 2)
     h.wait_for_line("accepted join of slot 2")
     # An exit 0, an exit 75 or a non-member's exit is no failure.
     h.coordinator.rank_exited(RankExit(slot=0, incarnation=0, returncode=0, observed=time.time()))
-    h.coordinator.rank_exited(RankExit(slot=1, incarnation=0, returncode=proto.RESTART_EXIT_CODE, observed=time.time()))
+    h.coordinator.rank_exited(RankExit(slot=1, incarnation=0, returncode=keys.RESTART_EXIT_CODE, observed=time.time()))
     h.coordinator.rank_exited(RankExit(slot=2, incarnation=0, returncode=-9, observed=time.time()))  # reaped late
-    h.request(proto.LEAVE, 1)
+    h.request(records.LEAVE, 1)
     h.wait_for_line("accepted leave of slot 1")
-    assert [(c.kind, c.slot) for c in h.pending()] == [(proto.FAILED, 2), (proto.JOIN, 2), (proto.LEAVE, 1)]
+    assert [(c.kind, c.slot) for c in h.pending()] == [(records.FAILED, 2), (records.JOIN, 2), (records.LEAVE, 1)]
     assert h.alerts() == len(h.pending())
     # A leaver that dies before its boundary is a failure: its peers may be waiting on it.
     h.coordinator.rank_exited(RankExit(slot=1, incarnation=0, returncode=-15, observed=time.time()))
     h.wait_for_line("published failure of slot 1 (signal SIGTERM while leaving) in epoch 1")
-    assert [(c.kind, c.slot) for c in h.pending()][-1] == (proto.FAILED, 1)
+    assert [(c.kind, c.slot) for c in h.pending()][-1] == (records.FAILED, 1)
     assert h.alerts() == len(h.pending())
     # A joiner that dies before its join is decided: failed too, so the admitting decision removes it.
     h.coordinator.rank_exited(RankExit(slot=2, incarnation=1, returncode=-9, observed=time.time()))
     h.wait_for_line("published failure of slot 2 (signal SIGKILL while its join was pending) in epoch 1")
-    assert [(c.kind, c.slot) for c in h.pending()][-1] == (proto.FAILED, 2)
+    assert [(c.kind, c.slot) for c in h.pending()][-1] == (records.FAILED, 2)
     assert h.alerts() == len(h.pending())
 
 
@@ -196,46 +195,47 @@ def test_a_move_is_accepted_only_into_a_retired_slot_that_no_other_move_fills(ha
     h.coordinator.rank_exited(RankExit(slot=3, incarnation=0, returncode=-9, observed=time.time()))
     h.wait_for_line("published failure of slot 3")
     h.advance((0, 1, 2))
-    h.request(proto.MOVE, 1, target=3)
+    h.request(records.MOVE, 1, target=3)
     h.wait_for_line("refused move request for slot 1 from pid 4242: slot 3 is not retired")
     h.coordinator.retire(3, "given up after 1 quick failures")
     h.wait_for_line("slot 3 retired (given up after 1 quick failures): a migration may fill it")
-    h.request(proto.MOVE, 3, target=3)
+    h.request(records.MOVE, 3, target=3)
     h.wait_for_line("refused move request for slot 3 from pid 4242: not a member")
-    h.request(proto.MOVE, 1, target=WORLD)
+    h.request(records.MOVE, 1, target=WORLD)
     h.wait_for_line(f"move target {WORLD} out of range")
-    h.request(proto.MOVE, 1, target=3, token="b" * 32)
+    h.request(records.MOVE, 1, target=3, token="b" * 32)
     h.wait_for_line("refused move request for slot 1 from pid 4242: wrong token")
-    assert [c.kind for c in h.pending()] == [proto.FAILED, proto.RETIRED], "a refused move changes nothing"
-    h.request(proto.MOVE, 1, target=3)
+    assert [c.kind for c in h.pending()] == [records.FAILED, records.RETIRED], "a refused move changes nothing"
+    h.request(records.MOVE, 1, target=3)
     h.wait_for_line("accepted move of slot 1 to slot 3")
-    h.request(proto.MOVE, 2, target=3)
+    h.request(records.MOVE, 2, target=3)
     h.wait_for_line("refused move request for slot 2 from pid 4242: slot 3 is not retired, or another move fills it")
-    h.request(proto.LEAVE, 1)
+    h.request(records.LEAVE, 1)
     h.wait_for_line("refused leave request for slot 1 from pid 4242: already moving")
     assert h.coordinator.moved_to(1) is None, "not decided: slot 1 is still a member"
     # The mover dies before its boundary: a failure (its peers may wait on it); the move is void.
     h.coordinator.rank_exited(RankExit(slot=1, incarnation=0, returncode=-9, observed=time.time()))
     h.wait_for_line("published failure of slot 1 (signal SIGKILL while moving to slot 3)")
-    assert proto.retired_slots(h.pending()) == {3}
+    assert retired_slots(h.pending()) == {3}
     h.advance((0, 2))
-    h.request(proto.MOVE, 2, target=3)
+    h.request(records.MOVE, 2, target=3)
     h.wait_for_line("accepted move of slot 2 to slot 3")
-    assert proto.moves_under_way(h.pending(), (0, 2)) == {2: 3}
+    assert moves_under_way(h.pending(), (0, 2)) == {2: 3}
     h.advance((0,))  # the boundary that takes the move: slot 2 leaves, its device serves slot 3
     assert h.coordinator.moved_to(2) == 3
-    assert proto.moves_under_way(h.pending(), (0,)) == {}
+    assert moves_under_way(h.pending(), (0,)) == {}
     kinds = [(c.kind, c.slot, c.target) for c in h.pending()]
-    assert kinds[-1] == (proto.MOVE, 2, 3) and h.alerts() == len(h.pending())
+    assert kinds[-1] == (records.MOVE, 2, 3) and h.alerts() == len(h.pending())
 
 
 def _decide_at_boundary(h: Harness, members: tuple[int, ...], taken: int) -> None:
     """What the members do at a boundary: the decision (the pending changes from index ``taken``
     on), then the epoch."""
-    epoch = int(h.store.get(proto.CURRENT_EPOCH))
+    epoch = h.store.current_epoch()
     pending = h.pending()
-    decision = proto.Decision(epoch, 0, len(pending), tuple(pending[taken:]), Membership(epoch + 1, members, 0))
-    h.store.set(proto.decision_key(epoch, 0), decision.to_json())
+    h.store.propose_decision(
+        records.Decision(epoch, 0, len(pending), tuple(pending[taken:]), Membership(epoch + 1, members, 0))
+    )
     h.advance(members)
 
 
@@ -249,8 +249,8 @@ def test_a_retirement_is_published_after_the_exit_queued_before_it(harness):
     h.coordinator.rank_exited(RankExit(slot=3, incarnation=0, returncode=-9, observed=time.time()))
     h.coordinator.retire(3, "given up after 1 quick failures")
     h.coordinator._drain_retired()
-    assert [(c.kind, c.slot) for c in h.pending()] == [(proto.FAILED, 3), (proto.RETIRED, 3)]
-    assert proto.retired_slots(h.pending()) == {3}
+    assert [(c.kind, c.slot) for c in h.pending()] == [(records.FAILED, 3), (records.RETIRED, 3)]
+    assert retired_slots(h.pending()) == {3}
 
 
 def test_a_leaver_that_dies_after_its_leave_was_decided_is_a_failure_of_its_last_iteration(harness):
@@ -258,31 +258,31 @@ def test_a_leaver_that_dies_after_its_leave_was_decided_is_a_failure_of_its_last
     the iteration that boundary closes, with a peer sending to it. Its death is published (the peer
     and the new epoch's members take it up); its exit 0, or its death an epoch later, is not."""
     h = harness
-    h.request(proto.LEAVE, 3)
+    h.request(records.LEAVE, 3)
     h.wait_for_line("accepted leave of slot 3")
     _decide_at_boundary(h, (0, 1, 2), 0)
     h.coordinator.rank_exited(RankExit(slot=3, incarnation=0, returncode=-9, observed=time.time()))
     h.wait_for_line("published failure of slot 3 (signal SIGKILL while leaving (its leave was decided")
-    assert [(c.kind, c.slot) for c in h.pending()] == [(proto.LEAVE, 3), (proto.FAILED, 3)]
+    assert [(c.kind, c.slot) for c in h.pending()] == [(records.LEAVE, 3), (records.FAILED, 3)]
     assert h.alerts() == len(h.pending())
-    h.request(proto.LEAVE, 2)
+    h.request(records.LEAVE, 2)
     h.wait_for_line("accepted leave of slot 2")
     _decide_at_boundary(h, (0, 1), 2)
     h.coordinator.rank_exited(RankExit(slot=2, incarnation=0, returncode=0, observed=time.time()))
     _decide_at_boundary(h, (0, 1), 3)  # one epoch later, the same process killed in its teardown
     h.coordinator.rank_exited(RankExit(slot=2, incarnation=0, returncode=-9, observed=time.time()))
-    h.request(proto.LEAVE, 1)  # exits are taken before requests: once this is accepted, they were
+    h.request(records.LEAVE, 1)  # exits are taken before requests: once this is accepted, they were
     h.wait_for_line("accepted leave of slot 1")
     kinds = [(c.kind, c.slot) for c in h.pending()]
-    assert kinds == [(proto.LEAVE, 3), (proto.FAILED, 3), (proto.LEAVE, 2), (proto.LEAVE, 1)], kinds
+    assert kinds == [(records.LEAVE, 3), (records.FAILED, 3), (records.LEAVE, 2), (records.LEAVE, 1)], kinds
     assert h.alerts() == len(h.pending())
 
 
 def test_every_decision_it_logs_is_also_a_structured_event(harness):
     h = harness
-    h.request(proto.JOIN, 1, token="b" * 32, pid=777)
+    h.request(records.JOIN, 1, token="b" * 32, pid=777)
     h.wait_for_line("refused join request for slot 1 from pid 777")
-    h.request(proto.LEAVE, 3)
+    h.request(records.LEAVE, 3)
     h.wait_for_line("accepted leave of slot 3")
     h.coordinator.rank_exited(RankExit(slot=3, incarnation=0, returncode=-9, observed=time.time()))
     h.wait_for_line("published failure of slot 3 (signal SIGKILL while leaving)")
@@ -303,15 +303,15 @@ def test_a_probe_publishes_members_that_ended_without_a_failure(harness):
     before the job finished is found by the probe; one whose process runs is not."""
     h = harness
     h.coordinator.rank_exited(RankExit(slot=3, incarnation=0, returncode=0, observed=time.time()))
-    h.request(proto.PROBE, 0, token="b" * 32)
+    h.request(records.PROBE, 0, token="b" * 32)
     h.wait_for_line("refused probe request for slot 0 from pid 4242: wrong token")
     assert h.pending() == [] and h.alerts() == 0
-    h.request(proto.PROBE, 0)
+    h.request(records.PROBE, 0)
     line = h.wait_for_line("probe from slot 0 (pid 4242) in epoch 0")
     assert line.endswith("published failure of ended members [3]"), line
-    assert [(c.kind, c.slot, c.detail) for c in h.pending()] == [(proto.FAILED, 3, "ended while still a member")]
+    assert [(c.kind, c.slot, c.detail) for c in h.pending()] == [(records.FAILED, 3, "ended while still a member")]
     assert h.alerts() == len(h.pending())
-    h.request(proto.PROBE, 1)
+    h.request(records.PROBE, 1)
     line = h.wait_for_line("probe from slot 1 (pid 4242) in epoch 0")
     assert line.endswith("every member's process is running"), line
     assert h.alerts() == len(h.pending())
@@ -336,11 +336,11 @@ def test_stale_heartbeat_is_a_failure_and_the_process_is_killed():
         assert "(timeout 0.60 s)" in line, line
         assert h.killed == [(2, 0)]
         (change,) = h.pending()
-        assert (change.kind, change.slot) == (proto.FAILED, 2)
+        assert (change.kind, change.slot) == (records.FAILED, 2)
         assert 0.6 <= change.time - stopped < 3.0
         assert h.alerts() == len(h.pending())
         # The node's lease carries its ranks' beats (what the status page reads).
-        lease = Lease.from_json(h.store.get(proto.lease_key(0)))
+        lease = h.store.lease(0)
         assert sorted(lease.beats) == [0, 1, 2] and lease.beats[0].iteration_seconds == 0.2
     finally:
         h.stop()
@@ -366,14 +366,14 @@ def test_a_silent_node_is_failed_by_its_lease_as_a_whole_not_by_its_ranks_heartb
     h = Harness(HeartbeatPolicy(min_timeout=0.3, startup_timeout=60.0), NodeLayout(2, 2, 1.0))
     try:
         now = time.time()
-        beats = {slot: proto.Beat(now) for slot in (2, 3)}
-        h.store.set(proto.lease_key(1), Lease(1, now, beats).to_json())
+        beats = {slot: records.Beat(now) for slot in (2, 3)}
+        h.store.renew_lease(1, records.Lease(1, now, beats))
         for slot in (0, 1):
             h.beat(slot, now + 100)  # fresh for the whole test: node 0's ranks must never look stale
         line = h.wait_for_line("published failure of node 1: slots [2, 3] in one change")
         assert "lease of node 1 (incarnation 1) lapsed" in line, line
         assert not [line for line in h.lines if "heartbeat stale" in line], h.lines
-        assert [(c.kind, c.slot) for c in h.pending()] == [(proto.FAILED, 2), (proto.FAILED, 3)]
+        assert [(c.kind, c.slot) for c in h.pending()] == [(records.FAILED, 2), (records.FAILED, 3)]
     finally:
         h.stop()
 
@@ -386,7 +386,7 @@ def test_a_stopped_beat_is_not_checked():
     try:
         for slot in range(3):
             h.beat(slot, time.time())  # 1 and 2 never again
-        write_beat(h.beats_dir, 3, proto.Beat(time.time(), None, stopped=True))
+        write_beat(h.beats_dir, 3, records.Beat(time.time(), None, stopped=True))
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and len(h.killed) < 2:
             h.beat(0, time.time())
@@ -443,7 +443,7 @@ def _watchers(h: Harness, slots: range) -> list:
     watchers = []
     for slot in slots:
         agent = h.agent(slot)
-        client = CountingStore(agent.connect_node())
+        client = C10dJobStore(CountingStore(agent.connect_node().client))
         watchers.append(FailureWatcher(client, slot, agent.node_store, agent.note_changes).start())
     return watchers
 
@@ -461,15 +461,15 @@ def test_failure_watchers_block_without_store_traffic_and_all_wake_on_a_publishe
     h = Harness(HeartbeatPolicy(enabled=False))
     try:
         watchers = _watchers(h, range(WORLD))
-        started = [w.store.ops for w in watchers]  # the count and the rank's first look at pending
+        started = [w.store.client.ops for w in watchers]  # the count and the rank's first look at pending
         time.sleep(1.0)
         # The one wait each is still blocked (counted when it returns): no polling.
-        assert [w.store.ops for w in watchers] == started
+        assert [w.store.client.ops for w in watchers] == started
         # A leave wakes every watcher (the ranks learn of it without reading at their boundaries)
         # and raises none.
-        h.request(proto.LEAVE, 3)
+        h.request(records.LEAVE, 3)
         assert _wait(lambda: all(w.seen == 1 for w in watchers)), "every watcher takes the leave in"
-        assert all([c.kind for c in w.on_changes.__self__._known] == [proto.LEAVE] for w in watchers)
+        assert all([c.kind for c in w.on_changes.__self__._known] == [records.LEAVE] for w in watchers)
         assert not any(w.flag.is_set() for w in watchers)
         h.coordinator.rank_exited(RankExit(2, 0, -9, time.time()))
         assert _wait(lambda: all(w.flag.is_set() for w in watchers)), "every watcher wakes on the one alert write"
@@ -489,11 +489,13 @@ def test_a_watcher_key_left_by_a_stopped_process_neither_raises_nor_spins_in_its
     try:
         (first,) = _watchers(h, range(1, 2))
         first.stop()  # sets alert/1/1 in the node's store to wake itself: no failure behind it
-        assert proto.connect(h.node_watch().address, 0).check([proto.alert_key(1, 1)])
+        assert transport.connect(h.node_watch().address, 0).check([keys.alert_key(1, 1)])
         (successor,) = _watchers(h, range(1, 2))
         time.sleep(0.5)
         assert not successor.flag.is_set()
-        assert successor.store.ops <= 12, f"{successor.store.ops} store operations: the stale key must not make it spin"
+        assert successor.store.client.ops <= 12, (
+            f"{successor.store.client.ops} store operations: the stale key must not make it spin"
+        )
         h.coordinator.rank_exited(RankExit(3, 0, -9, time.time()))
         assert _wait(successor.flag.is_set), "the real alert with the same number still wakes it"
         successor.stop()
@@ -523,27 +525,27 @@ def test_each_node_copies_the_changes_and_the_latest_epoch_once_and_wakes_its_ow
     failure, the recovery decision of the epoch and the entry into the epoch it makes too."""
     h, watches = two_nodes
     address = f"127.0.0.1:{h.server.port}"
-    local = [proto.connect(w.address, 0) for w in watches]
+    local = [C10dJobStore.connect(w.address, 0) for w in watches]
     listening = {(c.laddr.ip, c.laddr.port) for c in psutil.net_connections("tcp") if c.status == "LISTEN"}
     for watch in watches:
         port = int(watch.address.rpartition(":")[2])
         assert {ip for ip, p in listening if p == port} == {"127.0.0.1"}, "a node's store is on loopback only"
-    h.request(proto.LEAVE, 3)
+    h.request(records.LEAVE, 3)
     h.wait_for_line("accepted leave of slot 3")
     _decide_at_boundary(h, (0, 1, 2), 0)
-    h.request(proto.JOIN, 3)
+    h.request(records.JOIN, 3)
     h.wait_for_line("accepted join of slot 3")
     assert _wait(lambda: all(w.seen == 2 for w in watches)), "every node copies both changes"
-    assert not h.store.check([proto.alert_key(0, 1)]), "no per-slot key in the job's store"
-    assert all(h.store.check([proto.node_alert_key(node, 2)]) for node in (0, 1))
+    assert not h.raw.check([keys.alert_key(0, 1)]), "no per-slot key in the job's store"
+    assert all(h.raw.check([keys.node_alert_key(node, 2)]) for node in (0, 1))
     for node, store in enumerate(local):
-        assert proto.read_pending(store) == h.pending()
-        assert int(store.get(proto.CURRENT_EPOCH)) == 1
-        assert proto.read_membership(store).members == (0, 1, 2)
-        assert proto.left_at_boundary(proto.read_membership(store), store) == {3}, "the decision is copied"
+        assert store.changes() == h.pending()
+        assert store.current_epoch() == 1
+        assert store.membership().members == (0, 1, 2)
+        assert store.left_at_boundary(store.membership()) == {3}, "the decision is copied"
         own, other = range(2 * node, 2 * node + 2), range(2 - 2 * node, 4 - 2 * node)
-        assert all(store.check([proto.alert_key(s, k)]) for s in own for k in (1, 2))
-        assert not any(store.check([proto.alert_key(s, 1)]) for s in other)
+        assert all(store.client.check([keys.alert_key(s, k)]) for s in own for k in (1, 2))
+        assert not any(store.client.check([keys.alert_key(s, 1)]) for s in other)
     # A stopped watch wakes itself with its next key; its successor on the node skips that key
     # and still wakes for the real change with the same number.
     watches[1].stop()
@@ -553,15 +555,15 @@ def test_each_node_copies_the_changes_and_the_latest_epoch_once_and_wakes_its_ow
     assert successor.seen == 2 and successor._thread.is_alive()
     h.coordinator.rank_exited(RankExit(0, 0, -9, time.time()))
     assert _wait(lambda: successor.seen == 3), "the real third change still wakes the successor"
-    node_store = proto.connect(successor.address, 0)
-    assert proto.read_pending(node_store)[-1].kind == proto.FAILED
+    node_store = C10dJobStore.connect(successor.address, 0)
+    assert node_store.changes()[-1].kind == records.FAILED
     # With a failure the watch also awaits the recovery decision of the epoch it copied.
-    decision = proto.Decision(1, 0, 3, tuple(h.pending()[2:]), Membership(2, (1, 2), 0))
-    h.store.set(proto.recovery_key(1), decision.to_json())
-    assert _wait(lambda: node_store.check([proto.recovery_key(1)])), "the recovery decision is copied"
-    assert proto.Decision.from_json(node_store.get(proto.recovery_key(1))) == decision
-    h.store.set(proto.entered_key(2), "1")  # then the entry into the epoch it makes
-    assert _wait(lambda: node_store.check([proto.entered_key(2)])), "the entry is copied"
+    decision = records.Decision(1, 0, 3, tuple(h.pending()[2:]), Membership(2, (1, 2), 0))
+    h.store.propose_recovery(decision)
+    assert _wait(lambda: node_store.recovery(1) is not None), "the recovery decision is copied"
+    assert node_store.recovery(1) == decision
+    h.store.mark_entered(2)  # then the entry into the epoch it makes
+    assert _wait(lambda: node_store.entered(2)), "the entry is copied"
 
 
 def test_a_node_whose_watch_lost_the_jobs_store_wakes_its_ranks_watchers():
@@ -574,12 +576,11 @@ def test_a_node_whose_watch_lost_the_jobs_store_wakes_its_ranks_watchers():
     server = subprocess.Popen([sys.executable, "-c", serve], stdout=subprocess.PIPE, text=True)
     try:
         address = f"127.0.0.1:{int(server.stdout.readline())}"
-        job = proto.connect(address, 0)
-        job.set(proto.CURRENT_EPOCH, "0")
-        job.set(proto.epoch_key(0), Membership(0, (0, 1), 0).to_json())
+        C10dJobStore.connect(address, 0).open_job(2)
         lines: list[str] = []
         watch = NodeWatch(address, 0, 0, range(2), lines.append).start()
-        watcher = FailureWatcher(proto.connect(watch.address, 0), 0, proto.connect(watch.address, 0)).start()
+        watcher = FailureWatcher(C10dJobStore.connect(watch.address, 0), 0, C10dJobStore.connect(watch.address, 0))
+        watcher.start()
         time.sleep(0.3)
         assert not watcher.flag.is_set()
         server.kill()
@@ -592,10 +593,10 @@ def test_a_node_whose_watch_lost_the_jobs_store_wakes_its_ranks_watchers():
 
 def test_the_link_renews_its_lease_with_its_ranks_beats_and_carries_out_its_nodes_kill_orders_only(tmp_path):
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    store = dist.PrefixStore(proto.prefix(0), server)
+    store = C10dJobStore(dist.PrefixStore(keys.prefix(0), server))
     killed: list[tuple[int, int]] = []
-    write_beat(tmp_path, 5, proto.Beat(123.5, 0.75))
-    write_beat(tmp_path, 9, proto.Beat(124.0))  # another node's slot: not this link's to relay
+    write_beat(tmp_path, 5, records.Beat(123.5, 0.75))
+    write_beat(tmp_path, 9, records.Beat(124.0))  # another node's slot: not this link's to relay
     link = NodeLink(
         f"127.0.0.1:{server.port}",
         0,
@@ -611,14 +612,13 @@ def test_the_link_renews_its_lease_with_its_ranks_beats_and_carries_out_its_node
     assert link.register() == 1
     link.start()
     try:
-        first = Lease.from_json(store.get(proto.lease_key(1))).time
-        assert _wait(lambda: Lease.from_json(store.get(proto.lease_key(1))).time > first, 1.0), "lease not renewed"
-        assert Lease.from_json(store.get(proto.lease_key(1))).beats == {5: proto.Beat(123.5, 0.75)}
-        write_beat(tmp_path, 4, proto.Beat(125.0))
-        assert _wait(lambda: 4 in Lease.from_json(store.get(proto.lease_key(1))).beats, 1.0), "beat not relayed"
+        first = store.lease(1).time
+        assert _wait(lambda: store.lease(1).time > first, 1.0), "lease not renewed"
+        assert store.lease(1).beats == {5: records.Beat(123.5, 0.75)}
+        write_beat(tmp_path, 4, records.Beat(125.0))
+        assert _wait(lambda: 4 in store.lease(1).beats, 1.0), "beat not relayed"
         for node, slot, incarnation in ((1, 5, 2), (0, 1, 0), (1, 4, 0)):  # the coordinator's writes
-            index = int(store.add(proto.kill_count_key(node), 1))
-            store.set(proto.kill_key(node, index), KillOrder(slot, incarnation).to_json())
+            store.order_kill(node, KillOrder(slot, incarnation))
         # Read once a second (a hang is judged after seconds), in order; node 0's order is not its own.
         assert _wait(lambda: len(killed) == 2, KILL_CHECK_SECONDS + 1.0), killed
         assert killed == [(5, 2), (4, 0)]
@@ -664,7 +664,7 @@ class _Survivors:
 
         def run() -> None:
             try:
-                progress = proto.Progress(done, False)
+                progress = records.Progress(done, False)
                 self.decisions[slot] = self.agents[slot].recover(progress, (0, 1, 2, 3), 10.0, 8.0)
             except Exception as error:  # reported by one_decision
                 self.decisions[slot] = error
@@ -673,13 +673,13 @@ class _Survivors:
         thread.start()
         self.threads.append(thread)
 
-    def one_decision(self) -> proto.Decision:
+    def one_decision(self) -> records.Decision:
         """The decision all three hold (each recovery is bounded at 8 s)."""
         for thread in self.threads:
             thread.join(timeout=20)
         decisions = self.decisions
         assert sorted(decisions) == [0, 1, 2], decisions
-        assert all(isinstance(d, proto.Decision) for d in decisions.values()), decisions
+        assert all(isinstance(d, records.Decision) for d in decisions.values()), decisions
         assert len({d.to_json() for d in decisions.values()}) == 1, decisions
         return decisions[0]
 
@@ -693,7 +693,7 @@ def test_a_survivor_waiting_in_an_epoch_a_boundary_superseded_recovers_in_the_ne
     epochs until the timeout)."""
     h = harness
     survivors = _Survivors(h)
-    h.request(proto.LEAVE, 3)
+    h.request(records.LEAVE, 3)
     h.wait_for_line("accepted leave of slot 3")
     survivors.recover(0, 5)
     time.sleep(0.5)  # slot 0 looked at the membership (epoch 0) and waits for the failure
@@ -714,7 +714,7 @@ def test_an_epoch_whose_decider_died_before_publishing_it_is_published_by_the_su
     h = harness
     survivors = _Survivors(h)
     epoch_1 = Membership(1, (0, 1, 2, 3), 4)
-    h.store.set(proto.decision_key(0, 4), proto.Decision(0, 4, 0, (), epoch_1).to_json())  # slot 3's, unpublished
+    h.store.propose_decision(records.Decision(0, 4, 0, (), epoch_1))  # slot 3's, unpublished
     for slot in (1, 2):
         assert survivors.agents[slot].decide(4).next == epoch_1
     h.coordinator.rank_exited(RankExit(slot=3, incarnation=0, returncode=-9, observed=time.time()))
@@ -726,7 +726,8 @@ def test_an_epoch_whose_decider_died_before_publishing_it_is_published_by_the_su
 
 
 def _node_store(watch: NodeWatch):
-    return proto.connect(watch.address, 0)
+    """The node's store on the wire (which slot claimed the copy is no typed operation)."""
+    return transport.connect(watch.address, 0)
 
 
 def test_each_nodes_survivors_progress_reaches_the_jobs_store_in_one_copy(two_nodes):
@@ -741,12 +742,12 @@ def test_each_nodes_survivors_progress_reaches_the_jobs_store_in_one_copy(two_no
         survivors.recover(slot, done)
     decision = survivors.one_decision()
     assert decision.epoch == 0 and decision.iteration == 5 and decision.next.members == (0, 1, 2)
-    assert int(h.store.add(proto.progress_count_key(0), 0)) == 3, "each node counted its survivors once"
-    assert [proto.Progress.from_json(h.store.get(proto.progress_key(0, s))).done for s in (0, 1, 2)] == [5, 6, 6]
+    assert h.store.count_progress(0) == 3, "each node counted its survivors once"
+    assert [post.done for post in h.store.progress_of(0, [0, 1, 2]).values()] == [5, 6, 6]
     node_0, node_1 = (_node_store(w) for w in watches)
-    assert node_0.get(proto.progress_forwarder_key(0)) in (b"0", b"1")
-    assert node_1.get(proto.progress_forwarder_key(0)) == b"2"
-    assert int(node_0.add(proto.progress_count_key(0), 0)) == 2 and int(node_1.add(proto.progress_count_key(0), 0)) == 1
+    assert node_0.get(keys.progress_forwarder_key(0)) in (b"0", b"1")
+    assert node_1.get(keys.progress_forwarder_key(0)) == b"2"
+    assert int(node_0.add(keys.progress_count_key(0), 0)) == 2 and int(node_1.add(keys.progress_count_key(0), 0)) == 1
 
 
 def test_a_nodes_survivor_that_dies_before_it_posts_leaves_the_copy_to_its_node_mate(two_nodes):
@@ -760,16 +761,16 @@ def test_a_nodes_survivor_that_dies_before_it_posts_leaves_the_copy_to_its_node_
     survivors.recover(0, 5)
     survivors.recover(2, 5)
     node_0 = _node_store(watches[0])
-    assert _wait(lambda: node_0.check([proto.progress_key(0, 0)]))
+    assert _wait(lambda: node_0.check([keys.progress_key(0, 0)]))
     time.sleep(0.3)
-    assert not h.store.check([proto.progress_key(0, 0)]), "node 0's copy waits for slot 1"
+    assert not h.store.progress_posted(0, [0]), "node 0's copy waits for slot 1"
     h.coordinator.rank_exited(RankExit(slot=1, incarnation=0, returncode=-9, observed=time.time()))
     for thread in survivors.threads:
         thread.join(timeout=20)
     decisions = {slot: survivors.decisions[slot] for slot in (0, 2)}
-    assert all(isinstance(d, proto.Decision) for d in decisions.values()), decisions
+    assert all(isinstance(d, records.Decision) for d in decisions.values()), decisions
     assert decisions[0] == decisions[2] and decisions[0].next.members == (0, 2)
-    assert node_0.get(proto.progress_forwarder_key(0)) == b"0"
+    assert node_0.get(keys.progress_forwarder_key(0)) == b"0"
 
 
 def test_a_forwarder_that_died_before_copying_is_taken_over(two_nodes):
@@ -779,9 +780,9 @@ def test_a_forwarder_that_died_before_copying_is_taken_over(two_nodes):
     h, watches = two_nodes
     survivors = _Survivors(h, watches)
     node_0 = _node_store(watches[0])
-    node_0.set(proto.progress_key(0, 1), proto.Progress(5, False).to_json())
-    node_0.add(proto.progress_count_key(0), 1)
-    node_0.set(proto.progress_forwarder_key(0), "1")
+    node_0.set(keys.progress_key(0, 1), records.Progress(5, False).to_json())
+    node_0.add(keys.progress_count_key(0), 1)
+    node_0.set(keys.progress_forwarder_key(0), "1")
     for slot in (3, 1):
         h.coordinator.rank_exited(RankExit(slot=slot, incarnation=0, returncode=-9, observed=time.time()))
         h.wait_for_line(f"published failure of slot {slot}")
@@ -790,7 +791,7 @@ def test_a_forwarder_that_died_before_copying_is_taken_over(two_nodes):
     for thread in survivors.threads:
         thread.join(timeout=20)
     decisions = {slot: survivors.decisions[slot] for slot in (0, 2)}
-    assert all(isinstance(d, proto.Decision) for d in decisions.values()), decisions
+    assert all(isinstance(d, records.Decision) for d in decisions.values()), decisions
     assert decisions[0] == decisions[2] and decisions[0].next.members == (0, 2)
-    assert node_0.get(proto.progress_forwarder_key(0)) == b"0", "slot 0 took the copy over"
-    assert h.store.check([proto.progress_key(0, 0)]) and not h.store.check([proto.progress_key(0, 1)])
+    assert node_0.get(keys.progress_forwarder_key(0)) == b"0", "slot 0 took the copy over"
+    assert h.store.progress_posted(0, [0]) and not h.store.progress_posted(0, [1])

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_recycle.runtime import protocol as proto
+from ds_recycle.runtime import records
 from ds_recycle.testing.launch_events import LaunchEvents
 
 pytestmark = pytest.mark.multiprocess
@@ -27,26 +27,22 @@ ROOT = Path(__file__).resolve().parents[2]
 
 STORE_CLIENT = """
 import json, os, sys, time
-from datetime import timedelta
 from pathlib import Path
-import torch.distributed as dist
-from ds_recycle.runtime import protocol as proto
+from ds_recycle.runtime import keys, records
+from ds_recycle.runtime.c10d_store import C10dJobStore
 
 RANK = int(os.environ["RANK"])
-INCARNATION = int(os.environ[proto.ENV_INCARNATION])
+INCARNATION = int(os.environ[keys.ENV_INCARNATION])
 OUT = Path(sys.argv[1])
-host, port = os.environ[proto.ENV_STORE].rsplit(":", 1)
-base = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False)
-store = dist.PrefixStore(proto.prefix(int(os.environ[proto.ENV_GENERATION])), base)
+store = C10dJobStore.connect(os.environ[keys.ENV_STORE], int(os.environ[keys.ENV_GENERATION]), timeout=30)
 
 
 def post(kind, slot, token):
-    index = store.add(proto.REQUEST_COUNT, 1)
-    store.set(proto.request_key(index), proto.Request(kind, slot, token, os.getpid(), time.time()).to_json())
+    store.post_request(records.Request(kind, slot, token, os.getpid(), time.time()))
 
 
 def pending():
-    return proto.read_pending(store)
+    return store.changes()
 
 
 def wait_for(condition, what, timeout=60):
@@ -145,9 +141,9 @@ if os.environ["RANK"] == "1":  # no torch here: incarnation 0 is killed, incarna
 """
     + STORE_CLIENT
     + """
-post(proto.JOIN, 1, "0" * 32)  # wrong token: refused, changes nothing
+post(records.JOIN, 1, "0" * 32)  # wrong token: refused, changes nothing
 wait_for(lambda: (OUT / "respawned").exists(), "the respawned rank")
-print("PENDING " + proto.changes_to_json(pending()), "ALERT", store.add(proto.ALERT, 0), flush=True)
+print("PENDING " + records.changes_to_json(pending()), "ALERT", store.alert_count(), flush=True)
 """
 )
 
@@ -174,8 +170,8 @@ def test_sigkill_from_outside_is_published_and_the_rank_respawns_and_joins(tmp_p
 
     log = (logs / "rank0.log").read_text()
     pending_json, alert = re.search(r"PENDING (\[.*\]) ALERT (\d+)", log).groups()
-    changes = proto.changes_from_json(pending_json)
-    assert [(c.seq, c.kind, c.slot) for c in changes] == [(0, proto.FAILED, 1)], "the refused request added nothing"
+    changes = records.changes_from_json(pending_json)
+    assert [(c.seq, c.kind, c.slot) for c in changes] == [(0, records.FAILED, 1)], "the refused request added nothing"
     assert changes[0].detail == "signal SIGKILL" and alert == "1"
     print(f"SIGKILL -> waitpid observed: {1000 * (changes[0].time - killed):.1f} ms; {line}")
     assert (logs / "rank1.log").exists()
@@ -219,29 +215,28 @@ import threading
 from ds_recycle.runtime.beats import write_beat
 
 stop = threading.Event()
-BEATS = os.environ[proto.ENV_BEATS]
+BEATS = os.environ[keys.ENV_BEATS]
 
 
 def beat():
     while not stop.wait(0.1):
-        write_beat(BEATS, RANK, proto.Beat(time.time(), 0.05))
+        write_beat(BEATS, RANK, records.Beat(time.time(), 0.05))
 
 
 beater = threading.Thread(target=beat, daemon=True)
 beater.start()
-write_beat(BEATS, RANK, proto.Beat(time.time(), 0.05))  # the first beat, before the test may stop us
+write_beat(BEATS, RANK, records.Beat(time.time(), 0.05))  # the first beat, before the test may stop us
 (OUT / f"ready{RANK}").touch()
 if RANK == 1:
     time.sleep(60)  # SIGSTOPped by the test, then killed by the launcher
     sys.exit(5)
-wait_for(lambda: any(c.kind == proto.FAILED for c in pending()), "slot 1's failure")
+wait_for(lambda: any(c.kind == records.FAILED for c in pending()), "slot 1's failure")
 # What the survivors do at the boundary: the epoch without slot 1.
-store.set(proto.epoch_key(1), proto.Membership(1, (0,), 0).to_json())
-store.set(proto.CURRENT_EPOCH, "1")
-print("PENDING " + proto.changes_to_json(pending()), flush=True)
+store.publish_epoch(records.Membership(1, (0,), 0))
+print("PENDING " + records.changes_to_json(pending()), flush=True)
 stop.set()
 beater.join()
-write_beat(BEATS, RANK, proto.Beat(time.time(), 0.05, stopped=True))  # teardown may outlast the timeout
+write_beat(BEATS, RANK, records.Beat(time.time(), 0.05, stopped=True))  # teardown may outlast the timeout
 """
 )
 
@@ -272,8 +267,8 @@ def test_a_sigstopped_rank_is_declared_failed_by_heartbeat_and_killed(tmp_path, 
     line = job.wait_for(r"published failure of slot 1: heartbeat stale [\d.]+ s \(timeout 1.00 s\); killing")
     job.wait_for(r"rank 1 exited \(signal SIGKILL\)")
     assert job.finish() == 0, "\n".join(job.lines)  # slot 1 is no member at the end: it does not count
-    (change,) = proto.changes_from_json(re.search(r"PENDING (\[.*\])", (logs / "rank0.log").read_text()).group(1))
-    assert (change.kind, change.slot) == (proto.FAILED, 1) and change.detail.startswith("heartbeat stale")
+    (change,) = records.changes_from_json(re.search(r"PENDING (\[.*\])", (logs / "rank0.log").read_text()).group(1))
+    assert (change.kind, change.slot) == (records.FAILED, 1) and change.detail.startswith("heartbeat stale")
     print(f"SIGSTOP -> failure published: {change.time - stopped:.3f} s; {line}")
 
 

@@ -15,7 +15,7 @@ import signal
 import pytest
 import torch
 
-from ds_recycle.runtime import protocol as proto
+from ds_recycle.runtime.records import JOIN, MOVE
 from ds_recycle.testing.jobs import (
     Job,
     assert_every_microbatch_once,
@@ -63,7 +63,7 @@ def kill_two_of_stage_one(job: Job) -> tuple[int, int]:
         job.signal_when_trapped(s)
     for s in KILLED:
         job.wait_for_event("retired", slot=s)
-    target = job.wait_for_event("accepted", kind=proto.MOVE, slot=MOVER)["target"]
+    target = job.wait_for_event("accepted", kind=MOVE, slot=MOVER)["target"]
     assert target in KILLED, f"moved into slot {target}, which was not retired"
     moved = job.wait_for_event("moved", slot=MOVER, target=target)
     assert moved["local_rank"] == MOVER
@@ -77,7 +77,7 @@ def test_two_workers_of_one_stage_lost_a_survivor_moves_and_training_equals_faul
     job = start(tmp_path)
     try:
         held, target = kill_two_of_stage_one(job)
-        job.wait_for_event("accepted", kind=proto.JOIN, slot=target)
+        job.wait_for_event("accepted", kind=JOIN, slot=target)
         job.hold(None)
         job.wait_until(lambda: job.progress(target) > held, f"the mover's device to train as slot {target}")
         assert job.finish() == 0, job.log_tail()
@@ -107,6 +107,6 @@ def test_a_move_whose_new_process_dies_before_it_joined_is_recovered(tmp_path, t
     except BaseException:
         job.kill()
         raise
-    assert job.count_events("accepted", kind=proto.MOVE) == 1
+    assert job.count_events("accepted", kind=MOVE) == 1
     assert job.count_in_rank_logs(r"retired slots \[1, 4, 5\]: no move pays") >= 1
     check_against_fault_free(job, reference, finishing=[0, 2, 3])

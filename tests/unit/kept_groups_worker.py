@@ -22,8 +22,10 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 from torch.distributed import distributed_c10d as c10d
 
+from ds_recycle.runtime.c10d_store import C10dJobStore
 from ds_recycle.runtime.groups import RecycleGrid, group_roles, rebuild_world
-from ds_recycle.runtime.protocol import Decision, Membership, Progress, groups_to_remake
+from ds_recycle.runtime.policy import groups_to_remake
+from ds_recycle.runtime.records import Decision, Membership, Progress
 from ds_recycle.testing.rebuild import store_barrier
 
 PP, DP = 2, 3
@@ -50,11 +52,12 @@ def main() -> None:
     dist.init_process_group("gloo", rank=slot, world_size=PP * DP)
     store = c10d._get_default_store()
     store = store.underlying_store if isinstance(store, dist.PrefixStore) else store
+    job = C10dJobStore(store)
     topo = PipeDataParallelTopology(num_pp=PP, num_dp=DP)
     everyone = tuple(range(PP * DP))
 
     first = Membership(1, everyone, 0)
-    rebuild_world(store, first, slot)
+    rebuild_world(job, first, slot)
     grid = RecycleGrid.build(topo, first, slot, 60.0)
     stage_group = grid.get_data_parallel_group()
     all_reduce(stage_group, 1.0)
@@ -65,9 +68,9 @@ def main() -> None:
         os._exit(0)
 
     survivors = everyone[:VICTIM]
-    store.set(f"progress/{slot}", Progress(1, False, 1, grid.group_states()).to_json())
+    job.post_progress(1, slot, Progress(1, False, 1, grid.group_states()))
     store_barrier(store, "progressed", len(survivors))
-    posts = {s: Progress.from_json(store.get(f"progress/{s}")) for s in survivors}
+    posts = job.progress_of(1, list(survivors))
     second = Membership(2, survivors, 1)
     roles = group_roles(topo)
     remade = (
@@ -77,7 +80,7 @@ def main() -> None:
     )
     decision = Decision(1, 1, 1, (), second, remade)
     kept = grid.keep(decision, slot)
-    rebuild_world(store, second, slot, kept=kept.values())
+    rebuild_world(job, second, slot, kept=kept.values())
     new = RecycleGrid.build(topo, second, slot, 60.0, None, kept, remade)
 
     result = {

@@ -24,9 +24,9 @@ from ds_recycle.engine.routing import (
     P2POrderError,
     PeerChannel,
 )
+from ds_recycle.errors import PeerFailure
 from ds_recycle.runtime.groups import PairLinks
-from ds_recycle.runtime.protocol import Membership
-from ds_recycle.runtime.waiting import PeerFailure
+from ds_recycle.runtime.records import Membership
 
 FIRST, LAST = (0, 0), (0, 1)
 

@@ -16,7 +16,7 @@ from ds_recycle.runtime.beats import (
     remove_orphaned_beat_directories,
     write_beat,
 )
-from ds_recycle.runtime.protocol import Beat
+from ds_recycle.runtime.records import Beat
 
 AGENT = """
 import sys, time

@@ -7,10 +7,8 @@ import re
 import threading
 import time
 
-import torch.distributed as dist
-
+from ds_recycle.runtime.keys import RESTART_EXIT_CODE
 from ds_recycle.runtime.launcher import LaunchConfig, Launcher, launch
-from ds_recycle.runtime.protocol import RESTART_EXIT_CODE
 
 SCRIPT = """
 import os, sys, time
@@ -132,7 +130,8 @@ wait_for("joiner")
 
 
 def test_exit_0_after_leaving_does_not_finish_the_job_and_an_unadmitted_joiner_is_stopped(tmp_path):
-    from ds_recycle.runtime.protocol import Membership, epoch_key, prefix
+    from ds_recycle.runtime.c10d_store import C10dJobStore
+    from ds_recycle.runtime.records import Membership
 
     path = tmp_path / "ranks.py"
     path.write_text(LEAVE_SCRIPT)
@@ -146,9 +145,7 @@ def test_exit_0_after_leaving_does_not_finish_the_job_and_an_unadmitted_joiner_i
     while sum("started" in x for x in lines) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     host, port = launcher.address
-    store = dist.PrefixStore(prefix(0), dist.TCPStore(host, port, is_master=False, wait_for_workers=False))
-    store.set(epoch_key(1), Membership(1, (0,), 0).to_json())
-    store.set("current_epoch", "1")
+    C10dJobStore.connect(f"{host}:{port}", 0).publish_epoch(Membership(1, (0,), 0))
     (tmp_path / "left").touch()
     thread.join(timeout=60)
     assert result == [0], lines

@@ -258,7 +258,7 @@ def test_tracker_state_round_trips():
 
 def test_emulation_pads_each_stage_and_a_straggler_by_its_factor():
     from ds_recycle.engine.timing import pad_to
-    from ds_recycle.instructions import BackwardWeight, ForwardPass
+    from ds_recycle.planner.actions import BackwardWeight, ForwardPass
 
     timing = TimingEmulation((10.0, 20.0), 10.0, 0.0, ((1, 1, 2.0),))
     for instruction, worker, want in (

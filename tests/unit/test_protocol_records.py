@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from ds_recycle.runtime import protocol as proto
-from ds_recycle.runtime.protocol import Beat, Change, Decision, Lease, Membership
+from ds_recycle.runtime.policy import groups_to_remake
+from ds_recycle.runtime.records import FAILED, MOVE, Beat, Change, Decision, Lease, Membership, Progress
 
 
 def test_a_membership_round_trips_whatever_its_members():
@@ -26,8 +26,8 @@ def test_a_membership_of_thousands_with_a_few_out_is_a_few_numbers():
 
 def test_changes_decisions_and_leases_round_trip():
     changes = (
-        Change(0, proto.FAILED, 3, 12.5, "signal SIGKILL"),
-        Change(1, proto.MOVE, 1, 13.0, "to slot 3", target=3),
+        Change(0, FAILED, 3, 12.5, "signal SIGKILL"),
+        Change(1, MOVE, 1, 13.0, "to slot 3", target=3),
     )
     for change in changes:
         assert Change.from_json(change.to_json()) == change
@@ -38,8 +38,8 @@ def test_changes_decisions_and_leases_round_trip():
 
 
 def test_progress_and_a_decision_with_the_roles_it_remakes_round_trip():
-    progress = proto.Progress(7, True, 3, {"stage1": (2, 40), "pipe0": (3, 0)})
-    assert proto.Progress.from_json(progress.to_json()) == progress
+    progress = Progress(7, True, 3, {"stage1": (2, 40), "pipe0": (3, 0)})
+    assert Progress.from_json(progress.to_json()) == progress
     for remade in (None, (), ("pipe2", "stage1")):
         decision = Decision(2, 40, 2, (), Membership(3, (0, 2), 40), remade)
         assert Decision.from_json(decision.to_json()) == decision
@@ -50,31 +50,31 @@ def roles(slot: int) -> tuple[str, ...]:
     return f"stage{slot // 3}", f"pipe{slot % 3}"
 
 
-def agreeing(slots, epoch: int = 1) -> dict[int, proto.Progress]:
-    return {s: proto.Progress(4, False, epoch, {r: (1, 10) for r in roles(s)}) for s in slots}
+def agreeing(slots, epoch: int = 1) -> dict[int, Progress]:
+    return {s: Progress(4, False, epoch, {r: (1, 10) for r in roles(s)}) for s in slots}
 
 
 def test_a_decider_without_roles_remakes_every_group():
-    assert proto.groups_to_remake({5}, None) is None
+    assert groups_to_remake({5}, None) is None
 
 
 def test_the_roles_of_changed_slots_are_remade_and_agreeing_survivors_keep_the_rest():
-    assert proto.groups_to_remake({5}, roles) == ("pipe2", "stage1")
-    assert proto.groups_to_remake({5}, roles, 1, agreeing(range(5)), tuple(range(5))) == ("pipe2", "stage1")
-    assert proto.groups_to_remake({0, 6}, roles) == ("pipe0", "stage0", "stage2")
+    assert groups_to_remake({5}, roles) == ("pipe2", "stage1")
+    assert groups_to_remake({5}, roles, 1, agreeing(range(5)), tuple(range(5))) == ("pipe2", "stage1")
+    assert groups_to_remake({0, 6}, roles) == ("pipe0", "stage0", "stage2")
 
 
 def test_a_group_whose_survivors_posted_different_collectives_is_remade():
     posts = agreeing(range(5))
-    posts[0] = proto.Progress(4, False, 1, {"stage0": (1, 11), "pipe0": (1, 10)})
-    assert proto.groups_to_remake({5}, roles, 1, posts, tuple(range(5))) == ("pipe2", "stage0", "stage1")
-    posts[0] = proto.Progress(4, False, 1, {"stage0": (2, 10), "pipe0": (1, 10)})  # made in another epoch
-    assert proto.groups_to_remake({5}, roles, 1, posts, tuple(range(5))) == ("pipe2", "stage0", "stage1")
+    posts[0] = Progress(4, False, 1, {"stage0": (1, 11), "pipe0": (1, 10)})
+    assert groups_to_remake({5}, roles, 1, posts, tuple(range(5))) == ("pipe2", "stage0", "stage1")
+    posts[0] = Progress(4, False, 1, {"stage0": (2, 10), "pipe0": (1, 10)})  # made in another epoch
+    assert groups_to_remake({5}, roles, 1, posts, tuple(range(5))) == ("pipe2", "stage0", "stage1")
 
 
 def test_a_survivor_on_another_epochs_grid_and_a_member_without_a_post_have_their_roles_remade():
     posts = agreeing(range(5))
-    posts[4] = proto.Progress(4, False, 0, posts[4].groups)  # stopped while it entered epoch 1
-    assert proto.groups_to_remake({5}, roles, 1, posts, tuple(range(5))) == ("pipe1", "pipe2", "stage1")
+    posts[4] = Progress(4, False, 0, posts[4].groups)  # stopped while it entered epoch 1
+    assert groups_to_remake({5}, roles, 1, posts, tuple(range(5))) == ("pipe1", "pipe2", "stage1")
     del posts[4]  # a member of the next epoch that posted nothing
-    assert proto.groups_to_remake({5}, roles, 1, posts, tuple(range(5))) == ("pipe1", "pipe2", "stage1")
+    assert groups_to_remake({5}, roles, 1, posts, tuple(range(5))) == ("pipe1", "pipe2", "stage1")

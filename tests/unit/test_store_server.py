@@ -1,4 +1,4 @@
-"""Where the job's store listens (``protocol.serve``): an IPv4 host gets an IPv4 socket, on that
+"""Where the job's store listens (``transport.serve``): an IPv4 host gets an IPv4 socket, on that
 address alone where it is a loopback one; a busy port is an error that names it."""
 
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 import psutil
 import pytest
 
-from ds_recycle.runtime import protocol as proto
+from ds_recycle.runtime import transport
+from ds_recycle.runtime.c10d_store import C10dStoreRoot
 
 
 def _listening(port: int) -> set[str]:
@@ -14,9 +15,9 @@ def _listening(port: int) -> set[str]:
 
 
 def _serves(host: str, port: int) -> bool:
-    client = proto.connect(f"{host}:{port}", None, timeout=10.0)
-    client.set("probe", "1")
-    return client.get("probe") == b"1"
+    root = C10dStoreRoot.connect(f"{host}:{port}", timeout=10.0)
+    root.start_generation(7)
+    return root.running_generation() == 7
 
 
 @pytest.mark.parametrize(
@@ -29,15 +30,15 @@ def _serves(host: str, port: int) -> bool:
     ids=["loopback", "other-ipv4", "name"],
 )
 def test_where_the_store_listens_follows_its_host(host: str, listens_on: str, client_host: str):
-    server = proto.serve(host, 0, timeout=10.0)
+    server = transport.serve(host, 0, timeout=10.0)
     assert _listening(server.port) == {listens_on}
     assert _serves(client_host, server.port)
 
 
 def test_a_busy_port_is_an_error_that_names_it_and_the_first_server_keeps_serving():
-    server = proto.serve("127.0.0.1", 0, timeout=10.0)
+    server = transport.serve("127.0.0.1", 0, timeout=10.0)
     with pytest.raises(
         OSError, match=f"cannot listen on 127.0.0.1:{server.port} for the store: Address already in use"
     ):
-        proto.serve("127.0.0.1", server.port, timeout=10.0)
+        transport.serve("127.0.0.1", server.port, timeout=10.0)
     assert _serves("127.0.0.1", server.port)
