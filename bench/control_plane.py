@@ -17,7 +17,7 @@ iterations that sleep) in worker processes; every store client counts its operat
 - healthy ranks declared failed (a saturated store delays heartbeats and leases).
 
 A death's "ops/rank" are a survivor's store operations (its recovery's and, "+watch", its failure
-watcher's, which go to its node's store: ``ds_recycle.runtime.node_watch``); "store ops" is what
+watcher's, which go to its node's store: ``ds_recycle.runtime.node.node_watch``); "store ops" is what
 reached the job's store from every client between the death and the last survivor's decision, less
 the steady load over that time (and, on a comment line, by kind, with the nodes' stores' apart).
 

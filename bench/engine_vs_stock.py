@@ -26,8 +26,8 @@ import torch
 from ds_recycle.planner.fault_free import fault_free_plan
 from ds_recycle.planner.list_scheduler import ScheduleOptions
 from ds_recycle.planner.plan import CostModel
-from ds_recycle.runtime.launcher import launch
-from ds_recycle.runtime.preload import PRELOAD_MODULES
+from ds_recycle.runtime.node.launcher import launch
+from ds_recycle.runtime.node.preload import PRELOAD_MODULES
 from ds_recycle.testing.tiny import TINY_GPT, ds_config
 
 ROOT = Path(__file__).resolve().parents[1]

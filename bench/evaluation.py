@@ -98,8 +98,8 @@ def _makespan(plan) -> float:
 def run_job(tmp: Path, pp: int, dp: int, m: int, ms: float, evals: int, failed: list[tuple[int, int]]) -> dict:
     import torch
 
-    from ds_recycle.runtime.launcher import LaunchConfig, Launcher
-    from ds_recycle.runtime.preload import PRELOAD_MODULES
+    from ds_recycle.runtime.node.launcher import LaunchConfig, Launcher
+    from ds_recycle.runtime.node.preload import PRELOAD_MODULES
     from ds_recycle.testing.jobs import slot
     from ds_recycle.testing.tiny import ds_config
 

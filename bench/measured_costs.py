@@ -45,8 +45,8 @@ from pathlib import Path
 import torch
 
 import ds_recycle.testing
-from ds_recycle.runtime.launcher import launch
-from ds_recycle.runtime.preload import PRELOAD_MODULES
+from ds_recycle.runtime.node.launcher import launch
+from ds_recycle.runtime.node.preload import PRELOAD_MODULES
 from ds_recycle.testing.jobs import Job, slot
 from ds_recycle.testing.tiny import ds_config
 

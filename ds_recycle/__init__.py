@@ -5,7 +5,10 @@ tuple. For a ``PipelineModule`` the engine is a :class:`RecyclePipelineEngine`. 
 ``ds_recycle.init_distributed()`` where a script would call ``deepspeed.init_distributed()``: under
 ``ds-recycle launch`` it joins the coordinator (and lets a respawned process re-join).
 
-The engine, ``initialize`` and ``init_distributed`` are imported on first use, so that
+``ds_recycle.pipeline_major_topology(P, D)`` is the topology that keeps a pipeline on a node (a
+node's loss then takes whole pipelines, never every replica of a stage).
+
+The engine, ``initialize``, ``init_distributed`` and the topology are imported on first use, so that
 ``import ds_recycle.cli`` or ``ds_recycle.planner`` does not import DeepSpeed (seconds).
 """
 
@@ -20,9 +23,17 @@ _LAZY = {
     "RecyclePipelineEngine": "ds_recycle.engine",
     "initialize": "ds_recycle.api",
     "init_distributed": "ds_recycle.api",
+    "pipeline_major_topology": "ds_recycle.runtime.shared.placement",
 }
 
-__all__ = ["RecycleConfig", "RecycleConfigError", "RecyclePipelineEngine", "init_distributed", "initialize"]
+__all__ = [
+    "RecycleConfig",
+    "RecycleConfigError",
+    "RecyclePipelineEngine",
+    "init_distributed",
+    "initialize",
+    "pipeline_major_topology",
+]
 
 
 def __getattr__(name: str) -> Any:

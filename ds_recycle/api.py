@@ -18,10 +18,11 @@ from ds_recycle.config import RecycleConfig, RecycleConfigError
 from ds_recycle.data import DatasetMicroBatches
 from ds_recycle.engine import RecyclePipelineEngine
 from ds_recycle.log import logger
-from ds_recycle.runtime import exit_guard, keys
-from ds_recycle.runtime.distributed import init_distributed, membership_agent
-from ds_recycle.runtime.events import Monitor
-from ds_recycle.runtime.recovery import RankRuntime
+from ds_recycle.runtime.rank import exit_guard
+from ds_recycle.runtime.rank.distributed import init_distributed, membership_agent
+from ds_recycle.runtime.rank.recovery import RankRuntime
+from ds_recycle.runtime.shared import keys
+from ds_recycle.runtime.shared.events import Monitor
 
 __all__ = ["init_distributed", "initialize"]
 
@@ -55,7 +56,7 @@ def initialize(
     included.
 
     ``monitors``: objects with ``on_membership_change``, ``on_iteration`` and ``close``
-    (:class:`ds_recycle.runtime.events.Monitor`), called on the lowest live rank, besides those that
+    (:class:`ds_recycle.runtime.shared.events.Monitor`), called on the lowest live rank, besides those that
     ``recycle.monitor`` names."""
     config = _resolve_config(args, config if config is not None else config_params)
     recycle = RecycleConfig.from_ds_config(config)

@@ -15,7 +15,7 @@ from types import ModuleType
 from typing import Any
 
 from ds_recycle.config import RecycleConfig
-from ds_recycle.runtime.events import IterationStats, MembershipChange, Monitor
+from ds_recycle.runtime.shared.events import IterationStats, MembershipChange, Monitor
 
 SECTIONS = {"wandb": "ds_recycle.integrations.wandb"}
 """``recycle.monitor.<section>`` -> the module that implements it."""

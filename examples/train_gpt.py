@@ -33,7 +33,7 @@ import torch.distributed as dist  # noqa: E402
 import ds_recycle  # noqa: E402
 from ds_recycle.data import TokenWindowProvider, pipeline_iterator, shipped_corpus_tokens  # noqa: E402
 from ds_recycle.models import GPTConfig, build_gpt_pipeline  # noqa: E402
-from ds_recycle.runtime.placement import pipeline_major_topology  # noqa: E402
+from ds_recycle.runtime.shared.placement import pipeline_major_topology  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -73,7 +73,7 @@ def make_optimizer(args, model):
 
 
 class JsonLinesMonitor:
-    """An engine monitor (ds_recycle.runtime.events.Monitor) that appends JSON lines to a file."""
+    """An engine monitor (ds_recycle.runtime.shared.events.Monitor) that appends JSON lines to a file."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 from ds_recycle.cli import coordinator, launch, plan, simulate, status
 from ds_recycle.cli.common import USAGE_ERROR, Command, Parser, UsageError, store_once
-from ds_recycle.runtime.transport import QUIET_STORE_ENV
+from ds_recycle.runtime.shared.transport import QUIET_STORE_ENV
 
 COMMANDS: dict[str, Command] = {
     "plan": Command(help=plan.HELP, add_arguments=plan.add_arguments, run=plan.run),

@@ -1,5 +1,5 @@
 """``ds-recycle coordinator``: the job's store and coordinator on a host of its own (a login or
-service node without ranks), :func:`ds_recycle.runtime.host.serve`::
+service node without ranks), :func:`ds_recycle.runtime.control.host.serve`::
 
     ds-recycle coordinator --nnodes N --nproc-per-node G --rdzv-endpoint HOST:PORT [--node-lease S] ...
 
@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING
 
 from ds_recycle.cli import nodes
 from ds_recycle.cli.common import UsageError, float_in
-from ds_recycle.runtime.keys import HEARTBEAT_MIN_TIMEOUT_SECONDS
+from ds_recycle.runtime.shared.keys import HEARTBEAT_MIN_TIMEOUT_SECONDS
 
 if TYPE_CHECKING:
-    from ds_recycle.runtime.launcher import LaunchConfig
+    from ds_recycle.runtime.node.launcher import LaunchConfig
 
 HELP = "host the job's store and coordinator on a host of its own (every node's agent joins it)"
 
@@ -117,8 +117,8 @@ def validate_coordination(args: argparse.Namespace) -> None:
 
 
 def heartbeat_policy(args: argparse.Namespace):
-    """The :class:`~ds_recycle.runtime.coordinator.HeartbeatPolicy` of the flags (imports the runtime)."""
-    from ds_recycle.runtime.coordinator import HeartbeatPolicy
+    """The :class:`~ds_recycle.runtime.control.coordinator.HeartbeatPolicy` of the flags (imports the runtime)."""
+    from ds_recycle.runtime.control.coordinator import HeartbeatPolicy
 
     return HeartbeatPolicy(
         min_timeout=args.heartbeat_min_timeout,
@@ -132,7 +132,7 @@ def job_config(args: argparse.Namespace, job: nodes.NodeSpec | nodes.JobSpec, co
     """The job as the flags every node's agent and the coordinator share describe it, with no
     script (``ds-recycle launch`` adds its own flags): the one reading of those flags, so that a
     standalone coordinator and node 0's host are configured alike (:meth:`LaunchConfig.host_config`)."""
-    from ds_recycle.runtime.launcher import LaunchConfig
+    from ds_recycle.runtime.node.launcher import LaunchConfig
 
     return LaunchConfig(
         argv=[],
@@ -152,8 +152,8 @@ def job_config(args: argparse.Namespace, job: nodes.NodeSpec | nodes.JobSpec, co
 def run(args: argparse.Namespace) -> int:
     validate_coordination(args)
     job = nodes.resolve_job(args)
-    from ds_recycle.runtime.host import LOG_PREFIX, serve
-    from ds_recycle.runtime.launcher import EventStream
+    from ds_recycle.runtime.control.host import LOG_PREFIX, serve
+    from ds_recycle.runtime.node.launcher import EventStream
 
     config = job_config(args, job, args.check_in_timeout).host_config(job.token, local_node=None)
     received: list[int] = []

@@ -1,4 +1,4 @@
-"""``ds-recycle launch``: the command-line form of :class:`~ds_recycle.runtime.launcher.Launcher`.
+"""``ds-recycle launch``: the command-line form of :class:`~ds_recycle.runtime.node.launcher.Launcher`.
 
 Arguments are checked before anything starts; a bad one exits 2 with one line that names it and
 the allowed values. Nothing heavy is imported here: torch comes in only when the job runs, so
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ds_recycle.cli import coordinator, nodes
 from ds_recycle.cli.common import UsageError
-from ds_recycle.runtime import keys
+from ds_recycle.runtime.shared import keys
 
 MAX_NPROC = 1024
 """More ranks than this on one host is a typo, not a job."""
@@ -75,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     node = nodes.resolve(args)
     _validate(args, node)
-    from ds_recycle.runtime.launcher import Launcher
+    from ds_recycle.runtime.node.launcher import Launcher
 
     config = dataclasses.replace(
         coordinator.job_config(args, node, args.coordinator_wait),
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
 def _preload_modules(args: argparse.Namespace) -> tuple[str, ...]:
     if not (args.preload or args.preload_module):
         return ()
-    from ds_recycle.runtime.preload import PRELOAD_MODULES
+    from ds_recycle.runtime.node.preload import PRELOAD_MODULES
 
     return tuple(dict.fromkeys([*PRELOAD_MODULES, *args.preload_module]))
 

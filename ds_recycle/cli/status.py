@@ -4,7 +4,7 @@
 
 HOST:PORT is the job's store: the ``--rdzv-endpoint`` of a job on several nodes (or of ``ds-recycle
 coordinator``), or the ``store listening on HOST:PORT`` line of a one-node ``ds-recycle launch``.
-It reads the store as the status page does (:func:`ds_recycle.runtime.status.read_status`) and
+It reads the store as the status page does (:func:`ds_recycle.runtime.control.status.read_status`) and
 writes nothing to it, so it needs no job token: the token guards what changes the job (requests,
 reports, check-ins), and it prints none. ``--json`` prints what the page's ``/status.json`` serves.
 
@@ -54,8 +54,8 @@ def run(args: argparse.Namespace) -> int:
     if not re.fullmatch(HOST_PATTERN, host):
         raise UsageError(f"--rdzv-endpoint {shorten(host, 60)!r}: expected a host name or an IP address before :PORT")
     where, address = f"{host}:{port}", f"{host.strip('[]')}:{port}"
-    from ds_recycle.runtime import status
-    from ds_recycle.runtime.c10d_store import C10dJobStore, C10dStoreRoot
+    from ds_recycle.runtime.control import status
+    from ds_recycle.runtime.shared.c10d_store import C10dJobStore, C10dStoreRoot
 
     try:
         with _quiet_stderr():  # torch's store client logs every retry, with a C++ stack, to fd 2

@@ -4,7 +4,7 @@ write and restart from.
 DeepSpeed writes a stage's files from its data-parallel rank 0 and the ``latest`` tag from global
 rank 0. After a failure those may be dead, so while workers are missing the lowest live replica
 of each stage writes its stage (``StageWriterView`` is what DeepSpeed's layer writer sees as the
-grid) and the lowest live rank writes ``latest`` (:mod:`ds_recycle.runtime.checkpoints`). The
+grid) and the lowest live rank writes ``latest`` (:mod:`ds_recycle.runtime.rank.checkpoints`). The
 files are DeepSpeed's own: ``engine.load_checkpoint(dir)`` reads them in any process.
 """
 
@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ds_recycle.log import logger
-from ds_recycle.runtime import checkpoints, exit_guard, keys
+from ds_recycle.runtime.rank import checkpoints, exit_guard
+from ds_recycle.runtime.shared import keys
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ds_recycle.errors import RecycleDataError
 from ds_recycle.planner.lowering import WorkerStream
-from ds_recycle.runtime import keys
+from ds_recycle.runtime.shared import keys
 
 
 @dataclass

@@ -23,7 +23,7 @@ collaborators each own one concern:
   :class:`~ds_recycle.engine.routing.PeerChannel`: the staggered step and routed transfers.
 
 Under ``ds-recycle launch``, ``ds_recycle.initialize`` hands the engine the rank's
-:class:`~ds_recycle.runtime.recovery.RankRuntime`, the one owner of the failure path: every
+:class:`~ds_recycle.runtime.rank.recovery.RankRuntime`, the one owner of the failure path: every
 ``train_batch`` and ``eval_batch`` runs through it.
 """
 
@@ -74,19 +74,19 @@ from ds_recycle.planner.fault_free import fault_free_plan
 from ds_recycle.planner.list_scheduler import ScheduleOptions
 from ds_recycle.planner.lowering import WorkerStream
 from ds_recycle.planner.simulate import retime
-from ds_recycle.runtime import placement
-from ds_recycle.runtime.events import IterationStats, MembershipChange, Monitor, PlanSummary
-from ds_recycle.runtime.groups import GROUP_TIMEOUT_SECONDS, RecycleGrid, bury
-from ds_recycle.runtime.records import Membership
-from ds_recycle.runtime.waiting import Waiter
+from ds_recycle.runtime.rank.groups import GROUP_TIMEOUT_SECONDS, RecycleGrid, bury
+from ds_recycle.runtime.rank.waiting import Waiter
+from ds_recycle.runtime.shared import placement
+from ds_recycle.runtime.shared.events import IterationStats, MembershipChange, Monitor, PlanSummary
+from ds_recycle.runtime.shared.records import Membership
 
 
 class Runtime(Protocol):
-    """What the engine calls of the rank's runtime (:class:`~ds_recycle.runtime.recovery.RankRuntime`),
+    """What the engine calls of the rank's runtime (:class:`~ds_recycle.runtime.rank.recovery.RankRuntime`),
     which ``ds_recycle.initialize`` hands it under ``ds-recycle launch``."""
 
     job: object
-    """The job's store (:class:`~ds_recycle.runtime.job_store.JobStore`): evaluations commit there."""
+    """The job's store (:class:`~ds_recycle.runtime.shared.job_store.JobStore`): evaluations commit there."""
 
     def attach(self, engine: RecyclePipelineEngine) -> None: ...
 
@@ -180,7 +180,7 @@ class RecyclePipelineEngine(PipelineEngine):
         if runtime is not None:
             runtime.attach(self)
 
-    # ---- what the rank's runtime (ds_recycle.runtime.recovery) uses --------------------------------
+    # ---- what the rank's runtime (ds_recycle.runtime.rank.recovery) uses --------------------------------
 
     @property
     def worker(self) -> tuple[int, int]:

@@ -30,7 +30,7 @@ from ds_recycle.planner.lowering import WorkerStream, lower
 from ds_recycle.planner.plan import FORWARD, CostModel, Plan, Worker
 from ds_recycle.planner.prefetch import PlanPrefetcher
 from ds_recycle.planner.request import PlanRequest
-from ds_recycle.runtime.events import PlanSummary
+from ds_recycle.runtime.shared.events import PlanSummary
 
 
 @dataclass(frozen=True)

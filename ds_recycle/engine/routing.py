@@ -2,10 +2,10 @@
 
 DeepSpeed's ``p2p`` module only reaches the adjacent stage of the caller's own pipeline. After a
 failure a micro-batch may come from, or go to, another pipeline, so ReCycle sends to global ranks,
-each pair of workers on a two-rank group of its own (:class:`~ds_recycle.runtime.groups.PairLinks`),
+each pair of workers on a two-rank group of its own (:class:`~ds_recycle.runtime.rank.groups.PairLinks`),
 which every worker connects before the iteration (or re-sync) that first uses it
 (:meth:`PeerChannel.connect`). Sends are asynchronous (their handles are kept until the iteration
-ends); receives wait, failure-aware (:class:`~ds_recycle.runtime.waiting.Waiter`), so a dead peer
+ends); receives wait, failure-aware (:class:`~ds_recycle.runtime.rank.waiting.Waiter`), so a dead peer
 never blocks a survivor.
 
 No message carries a tag of its own: NCCL has none, and gloo and NCCL both match the sends and
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ds_recycle.errors import PeerFailure
-from ds_recycle.runtime.waiting import Waiter
+from ds_recycle.runtime.rank.waiting import Waiter
 
 Worker = tuple[int, int]
 

@@ -305,7 +305,7 @@ class RecycleTrainer(Trainer):
         trained = super()._init_training_state(
             max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
         )
-        from ds_recycle.runtime.distributed import membership_agent
+        from ds_recycle.runtime.rank.distributed import membership_agent
 
         agent = membership_agent()
         if agent is None or not agent.is_joiner:

@@ -46,7 +46,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from ds_recycle.config import MonitorConfig, RecycleConfig, WandbMonitorConfig
-from ds_recycle.runtime.events import IterationStats, MembershipChange, Monitor, PlanSummary
+from ds_recycle.runtime.shared.events import IterationStats, MembershipChange, Monitor, PlanSummary
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ def share_run_through_environment(settings: WandbMonitorConfig) -> None:
 
 class WandbMonitor:
     """Logs ReCycle's events to one W&B run (see the module doc). Implements
-    :class:`ds_recycle.runtime.events.Monitor`."""
+    :class:`ds_recycle.runtime.shared.events.Monitor`."""
 
     def __init__(
         self,

@@ -105,7 +105,7 @@ def build_gpt_pipeline(
 ):
     """A ``PipelineModule`` of the GPT. Needs torch.distributed initialized (DeepSpeed's rule).
     ``topology``: a DeepSpeed ``ProcessTopology`` (default: DeepSpeed's stage-major numbering;
-    ``ds_recycle.runtime.placement.pipeline_major_topology`` keeps a pipeline on a node)."""
+    ``ds_recycle.pipeline_major_topology`` keeps a pipeline on a node)."""
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
     specs = []

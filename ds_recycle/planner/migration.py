@@ -7,7 +7,7 @@ them: the mover leaves its slot and re-joins the other through the join path, co
 state from a live replica. The failure set changes; the live workers, the global batch and the
 math do not.
 
-The simulator (``sim/rebalance.py``) and the runtime (``runtime/recovery.py``) choose moves with
+The simulator (``sim/rebalance.py``) and the runtime (``runtime/rank/recovery.py``) choose moves with
 the same rule, :func:`next_move`; the runtime takes one move at a time (each is a leave and a join)
 and only into slots that will not be respawned, and both keep a move only if the planner predicts
 that it pays.

@@ -17,12 +17,12 @@ Importing this package imports neither torch nor DeepSpeed; the submodules that 
 
 def spawn_context():
     """multiprocessing's spawn context for a harness's store clients. A spawned child imports torch
-    before any of its own code runs, so :data:`~ds_recycle.runtime.transport.QUIET_STORE_ENV` is set
+    before any of its own code runs, so :data:`~ds_recycle.runtime.shared.transport.QUIET_STORE_ENV` is set
     here, in this process's environment, which the children inherit."""
     import multiprocessing
     import os
 
-    from ds_recycle.runtime.transport import QUIET_STORE_ENV
+    from ds_recycle.runtime.shared.transport import QUIET_STORE_ENV
 
     os.environ.update(QUIET_STORE_ENV)
     return multiprocessing.get_context("spawn")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ds_recycle.runtime.transport import serve
+from ds_recycle.runtime.shared.transport import serve
 from ds_recycle.testing import spawn_context
 
 TIMEOUT_SECONDS = 300.0

@@ -133,7 +133,7 @@ class FaultPlan:
 
     def _install(self, points: set[str]) -> None:
         from ds_recycle.planner.actions import BackwardInput, BackwardWeight, ForwardPass, StaggeredStep
-        from ds_recycle.runtime.phases import Phase
+        from ds_recycle.runtime.rank.phases import Phase
 
         engine = self.engine
 
@@ -177,7 +177,7 @@ class FaultPlan:
 
 
 def _leave_requested() -> bool:
-    from ds_recycle.runtime.distributed import membership_agent
+    from ds_recycle.runtime.rank.distributed import membership_agent
 
     agent = membership_agent()
     return agent is not None and agent.leave_requested

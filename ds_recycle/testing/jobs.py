@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ds_recycle.runtime.preload import preloaded_by
+from ds_recycle.runtime.node.preload import preloaded_by
 from ds_recycle.testing.launch_events import LaunchEvents
 from ds_recycle.testing.tiny import ds_config
 

@@ -1,5 +1,5 @@
 """Watch a launch from outside through its event stream (``ds-recycle launch --events FILE``, one
-JSON object per line; ``ds_recycle.runtime.launcher.EVENTS`` lists them), not through its log lines.
+JSON object per line; ``ds_recycle.runtime.node.launcher.EVENTS`` lists them), not through its log lines.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 not the world).
 
 Every epoch builds a fresh world on its own store prefix and every subgroup of it
-(:func:`~ds_recycle.runtime.groups.rebuild_world`, :meth:`RecycleGrid.build`), and connects the
-pairs its plan uses (:class:`~ds_recycle.runtime.groups.PairLinks`). Here P x D real processes, with
+(:func:`~ds_recycle.runtime.rank.groups.rebuild_world`, :meth:`RecycleGrid.build`), and connects the
+pairs its plan uses (:class:`~ds_recycle.runtime.rank.groups.PairLinks`). Here P x D real processes, with
 no engine, build the world of epoch 1 and connect it, one process ends, and the others build epoch
 2 without it exactly as a recovery does, then run one all-reduce on their stage's group. Every
 store operation of the world, gloo's own included, goes through :class:`CountedStore`, a
@@ -15,7 +15,7 @@ survivor then connects the peers of epoch 2's plan (the heuristic's plan for the
 lowered: the workers its stream sends to or receives from, and those of the optimizer step,
 :func:`~ds_recycle.engine.staggered_step.step_peers`), one two-rank group each, keeping the pairs
 of epoch 1 whose peers survive; and it keeps the stage and pipe groups that do not contain the lost
-worker (the decision remakes the others: :func:`~ds_recycle.runtime.policy.groups_to_remake`).
+worker (the decision remakes the others: :func:`~ds_recycle.runtime.shared.policy.groups_to_remake`).
 ``connect="kept"`` is what the runtime did in session 39: the pairs kept, every stage and pipe
 group made afresh. ``connect="pairs"`` is what it did until session 39: the
 same pairs, each epoch's made afresh. ``connect="all"`` is what it did until session 33: one
@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from ds_recycle.runtime.keys import world_prefix
-from ds_recycle.runtime.policy import groups_to_remake
-from ds_recycle.runtime.records import Decision, Membership
-from ds_recycle.runtime.transport import serve
+from ds_recycle.runtime.shared.keys import world_prefix
+from ds_recycle.runtime.shared.policy import groups_to_remake
+from ds_recycle.runtime.shared.records import Decision, Membership
+from ds_recycle.runtime.shared.transport import serve
 from ds_recycle.testing import spawn_context
 from ds_recycle.testing.scale import COUNTS, CountingStore
 
@@ -73,7 +73,7 @@ _CLONES: list[CountedStore] = []
 @dataclass
 class CountedClones:
     """What :func:`rebuild_world` takes of the job store: the world's own client
-    (:meth:`~ds_recycle.runtime.job_store.JobStore.world_rendezvous`), here a counted clone. The
+    (:meth:`~ds_recycle.runtime.shared.job_store.JobStore.world_rendezvous`), here a counted clone. The
     clones are kept here: a Python store that only C++ still references has lost its methods
     (torch then raises "Not implemented")."""
 
@@ -126,7 +126,7 @@ def plan_peers(pp: int, dp: int, victim: int | None) -> dict[int, list[int]]:
     from ds_recycle.engine.staggered_step import step_peers
     from ds_recycle.planner.heuristic import plan_heuristic
     from ds_recycle.planner.lowering import lower
-    from ds_recycle.runtime.groups import RecycleGrid
+    from ds_recycle.runtime.rank.groups import RecycleGrid
 
     topo = PipeDataParallelTopology(num_pp=pp, num_dp=dp)
     membership = Membership(2, tuple(s for s in range(pp * dp) if s != victim), 1)
@@ -147,8 +147,8 @@ def _rank(
     import torch
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
-    from ds_recycle.runtime.groups import RecycleGrid, group_roles, rebuild_world
-    from ds_recycle.runtime.waiting import Waiter
+    from ds_recycle.runtime.rank.groups import RecycleGrid, group_roles, rebuild_world
+    from ds_recycle.runtime.rank.waiting import Waiter
 
     timeout = datetime.timedelta(seconds=TIMEOUT_SECONDS)
     root = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout, wait_for_workers=False)

@@ -28,14 +28,14 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from ds_recycle.runtime import transport
-from ds_recycle.runtime.c10d_store import C10dJobStore
-from ds_recycle.runtime.coordinator import Coordinator, HeartbeatPolicy, NodeLayout, RankExit
-from ds_recycle.runtime.membership import MembershipAgent
-from ds_recycle.runtime.node import NodeLink
-from ds_recycle.runtime.node_watch import NodeWatch
-from ds_recycle.runtime.records import Progress
-from ds_recycle.runtime.waiting import FailureWatcher
+from ds_recycle.runtime.control.coordinator import Coordinator, HeartbeatPolicy, NodeLayout, RankExit
+from ds_recycle.runtime.node.link import NodeLink
+from ds_recycle.runtime.node.node_watch import NodeWatch
+from ds_recycle.runtime.rank.membership import MembershipAgent
+from ds_recycle.runtime.rank.waiting import FailureWatcher
+from ds_recycle.runtime.shared import transport
+from ds_recycle.runtime.shared.c10d_store import C10dJobStore
+from ds_recycle.runtime.shared.records import Progress
 from ds_recycle.testing import spawn_context
 
 TOKEN = "scale-harness"
@@ -45,7 +45,7 @@ THREAD_STACK_BYTES = 256 * 1024
 class CountingStore:
     """A c10d store client that counts its operations and the bytes it reads (all instances of one
     process add into ``counts``: :data:`COUNTS` by default): a
-    :class:`~ds_recycle.runtime.c10d_store.C10dJobStore` speaks through it as through the client
+    :class:`~ds_recycle.runtime.shared.c10d_store.C10dJobStore` speaks through it as through the client
     it wraps."""
 
     def __init__(self, store: transport.Store, counts: collections.Counter | None = None) -> None:
@@ -107,7 +107,7 @@ class CountingStore:
 
 COUNTS: collections.Counter = collections.Counter()
 NODE_COUNTS: collections.Counter = collections.Counter()
-"""The operations on the nodes' own stores (:mod:`ds_recycle.runtime.node_watch`)..."""
+"""The operations on the nodes' own stores (:mod:`ds_recycle.runtime.node.node_watch`)..."""
 NODE_ADDRESSES: set[str] = set()
 """...at these addresses (each node's, registered before its first client connects)."""
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from ds_recycle.runtime.launcher import launch
-from ds_recycle.runtime.preload import PRELOAD_MODULES
+from ds_recycle.runtime.node.launcher import launch
+from ds_recycle.runtime.node.preload import PRELOAD_MODULES
 
 WORKER = Path(__file__).with_name("worker.py")
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from ds_recycle.planner.plan import CostModel
-from ds_recycle.runtime.launcher import launch
-from ds_recycle.runtime.preload import PRELOAD_MODULES
+from ds_recycle.runtime.node.launcher import launch
+from ds_recycle.runtime.node.preload import PRELOAD_MODULES
 from ds_recycle.testing.tiny import ds_config
 
 pytestmark = pytest.mark.multiprocess

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_recycle.runtime.launcher import launch
-from ds_recycle.runtime.preload import PRELOAD_MODULES
+from ds_recycle.runtime.node.launcher import launch
+from ds_recycle.runtime.node.preload import PRELOAD_MODULES
 from ds_recycle.testing.tiny import TINY_GPT, ds_config
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.beside]  # fault-free and bitwise: no timing

@@ -1,4 +1,4 @@
-"""One rank of the W&B monitor's kill test, started by ``ds_recycle.runtime.launcher.launch``.
+"""One rank of the W&B monitor's kill test, started by ``ds_recycle.runtime.node.launcher.launch``.
 
 A tiny GPT (pp=2 x dp=2) trains with ReCycle on the deterministic provider, configured by
 ``--config`` (a ds_config with ``recycle.monitor.wandb`` and DeepSpeed's own ``wandb`` section).

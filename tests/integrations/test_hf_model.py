@@ -55,6 +55,6 @@ def test_tie_names_init_follow_hf(parity, name):
 
 
 def _free_port() -> int:
-    from ds_recycle.runtime.launcher import free_port
+    from ds_recycle.runtime.node.launcher import free_port
 
     return free_port()

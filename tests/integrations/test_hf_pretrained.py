@@ -13,8 +13,8 @@ import pytest
 import torch
 from tiny_configs import CONFIGS
 
-from ds_recycle.runtime.launcher import launch
-from ds_recycle.runtime.preload import PRELOAD_MODULES
+from ds_recycle.runtime.node.launcher import launch
+from ds_recycle.runtime.node.preload import PRELOAD_MODULES
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.beside]  # fault-free and bitwise: no timing
 

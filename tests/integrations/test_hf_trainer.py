@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_recycle.runtime.launcher import launch
+from ds_recycle.runtime.node.launcher import launch
 
 PRELOAD = ()
 """Exec, not --preload: with transformers preloaded (imported with the agent's environment) the

@@ -23,8 +23,8 @@ from ds_recycle.integrations.wandb import (
     share_run_through_environment,
     without_deepspeed_wandb,
 )
-from ds_recycle.runtime.events import IterationStats, MembershipChange, PlanSummary
-from ds_recycle.runtime.preload import PRELOAD_MODULES
+from ds_recycle.runtime.node.preload import PRELOAD_MODULES
+from ds_recycle.runtime.shared.events import IterationStats, MembershipChange, PlanSummary
 
 WANDB_ENV = ("WANDB_RUN_ID", "WANDB_RESUME", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_RUN_GROUP", "WANDB_DIR")
 WANDB_ENV += ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL", "NETRC", "DS_RECYCLE_TOKEN")
@@ -354,7 +354,7 @@ STEPS, KILL_AFTER = 6, 3
 
 @pytest.mark.multiprocess
 def test_killing_the_writer_moves_the_run_to_the_next_lowest_rank(tmp_path, clean_env, caplog):
-    from ds_recycle.runtime.launcher import launch
+    from ds_recycle.runtime.node.launcher import launch
 
     config = {
         "train_micro_batch_size_per_gpu": 2,

@@ -1,7 +1,7 @@
 """The coordinator against a real TCPStore, without rank processes: requests, exits, heartbeats.
 
 The launcher's side (starts, exits, the kill callback) is played by the test; the trainers' side
-(requests, epochs) by a store client, as protocol.py describes it, and their heartbeats (with their
+(requests, epochs) by a store client, as runtime/shared/keys.py describes it, and their heartbeats (with their
 iteration times) by beat files in the node's beat directory.
 Then the node's watch (``NodeWatch``: the node's store, with its copy of the changes) and the
 trainers' failure watchers on it. At the end, a node's agent link (``NodeLink``) against the same
@@ -22,14 +22,14 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from ds_recycle.runtime import keys, records, transport
-from ds_recycle.runtime.beats import write_beat
-from ds_recycle.runtime.c10d_store import C10dJobStore
-from ds_recycle.runtime.coordinator import Coordinator, HeartbeatPolicy, NodeLayout, RankExit
-from ds_recycle.runtime.node import KILL_CHECK_SECONDS, NodeLink
-from ds_recycle.runtime.node_watch import NodeWatch
-from ds_recycle.runtime.policy import moves_under_way, retired_slots
-from ds_recycle.runtime.records import KillOrder, Membership, Request
+from ds_recycle.runtime.control.coordinator import Coordinator, HeartbeatPolicy, NodeLayout, RankExit
+from ds_recycle.runtime.node.link import KILL_CHECK_SECONDS, NodeLink
+from ds_recycle.runtime.node.node_watch import NodeWatch
+from ds_recycle.runtime.shared import keys, records, transport
+from ds_recycle.runtime.shared.beats import write_beat
+from ds_recycle.runtime.shared.c10d_store import C10dJobStore
+from ds_recycle.runtime.shared.policy import moves_under_way, retired_slots
+from ds_recycle.runtime.shared.records import KillOrder, Membership, Request
 
 TOKEN = "a" * 32
 WORLD = 4
@@ -79,7 +79,7 @@ class Harness:
     def agent(self, slot: int, watch: NodeWatch | None = None):
         """Slot ``slot``'s membership agent, as ``MembershipAgent.from_env`` makes it, on the node of
         ``watch`` (default: one node of every slot)."""
-        from ds_recycle.runtime.membership import MembershipAgent
+        from ds_recycle.runtime.rank.membership import MembershipAgent
 
         watch = watch or self.node_watch()
         agent = MembershipAgent(f"127.0.0.1:{self.server.port}", slot, TOKEN, 0, 0)
@@ -437,7 +437,7 @@ def test_late_heartbeats_raise_the_timeout_instead_of_killing_a_slow_member():
 
 
 def _watchers(h: Harness, slots: range) -> list:
-    from ds_recycle.runtime.waiting import FailureWatcher
+    from ds_recycle.runtime.rank.waiting import FailureWatcher
     from ds_recycle.testing.scale import CountingStore
 
     watchers = []
@@ -503,7 +503,7 @@ def test_a_watcher_key_left_by_a_stopped_process_neither_raises_nor_spins_in_its
         h.stop()
 
 
-# ---- the other side: a node's agent link (runtime/node.py) ----------------------------------------
+# ---- the other side: a node's agent link (runtime/node/link.py) ----------------------------------------
 
 
 @pytest.fixture
@@ -569,7 +569,7 @@ def test_each_node_copies_the_changes_and_the_latest_epoch_once_and_wakes_its_ow
 def test_a_node_whose_watch_lost_the_jobs_store_wakes_its_ranks_watchers():
     """The job's store is a process of its own, killed from outside: the node's watch closes the
     node's store, and a watcher blocked on it raises its flag (its rank stops and finds out)."""
-    from ds_recycle.runtime.waiting import FailureWatcher
+    from ds_recycle.runtime.rank.waiting import FailureWatcher
 
     serve = "import sys, time, torch.distributed as d; s = d.TCPStore('127.0.0.1', 0, is_master=True, "
     serve += "wait_for_workers=False); print(s.port, flush=True); time.sleep(120)"

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from ds_recycle.runtime.launcher import LaunchConfig, Launcher
-from ds_recycle.runtime.preload import PRELOAD_MODULES
+from ds_recycle.runtime.node.launcher import LaunchConfig, Launcher
+from ds_recycle.runtime.node.preload import PRELOAD_MODULES
 from ds_recycle.testing.launch_events import LaunchEvents
 from ds_recycle.testing.tiny import ds_config
 

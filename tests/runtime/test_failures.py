@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import pytest
 
-from ds_recycle.runtime.keys import JOIN_GIVEN_UP_EXIT_CODE
+from ds_recycle.runtime.shared.keys import JOIN_GIVEN_UP_EXIT_CODE
 from ds_recycle.testing.jobs import (
     Job,
     assert_final_states,

@@ -2,7 +2,7 @@
 
 Every launch is bounded (``--timeout`` and a bounded wait here); on any error the launcher's own
 process group is killed, by PID. The rank scripts are tiny and written by the tests; the ones that
-talk to the coordinator use a plain TCPStore client, as protocol.py describes.
+talk to the coordinator use a plain TCPStore client, as runtime/shared/keys.py describes.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_recycle.runtime import records
+from ds_recycle.runtime.shared import records
 from ds_recycle.testing.launch_events import LaunchEvents
 
 pytestmark = pytest.mark.multiprocess
@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 STORE_CLIENT = """
 import json, os, sys, time
 from pathlib import Path
-from ds_recycle.runtime import keys, records
-from ds_recycle.runtime.c10d_store import C10dJobStore
+from ds_recycle.runtime.shared import keys, records
+from ds_recycle.runtime.shared.c10d_store import C10dJobStore
 
 RANK = int(os.environ["RANK"])
 INCARNATION = int(os.environ[keys.ENV_INCARNATION])
@@ -212,7 +212,7 @@ HEARTBEAT_SCRIPT = (
     + """
 import threading
 
-from ds_recycle.runtime.beats import write_beat
+from ds_recycle.runtime.shared.beats import write_beat
 
 stop = threading.Event()
 BEATS = os.environ[keys.ENV_BEATS]

@@ -15,7 +15,7 @@ import signal
 import pytest
 import torch
 
-from ds_recycle.runtime.records import JOIN, MOVE
+from ds_recycle.runtime.shared.records import JOIN, MOVE
 from ds_recycle.testing.jobs import (
     Job,
     assert_every_microbatch_once,

@@ -36,12 +36,13 @@ from ds_recycle.cli import main
 from ds_recycle.planner.cache import PlanCache
 from ds_recycle.planner.fault_free import fault_free_plan
 from ds_recycle.planner.request import PlanRequest
-from ds_recycle.runtime import keys, records, reporting
-from ds_recycle.runtime.c10d_store import C10dJobStore, C10dStoreRoot
-from ds_recycle.runtime.events import MembershipChange, PlanSummary
-from ds_recycle.runtime.records import Change, Membership, Request
-from ds_recycle.runtime.status import COLOURS, FAILED, LIVE, StatusServer
-from ds_recycle.runtime.status_schema import ChangeReport, GanttOp, PlanReport, StatusReport
+from ds_recycle.runtime.control.status import COLOURS, FAILED, LIVE, StatusServer
+from ds_recycle.runtime.rank import reporting
+from ds_recycle.runtime.shared import keys, records
+from ds_recycle.runtime.shared.c10d_store import C10dJobStore, C10dStoreRoot
+from ds_recycle.runtime.shared.events import MembershipChange, PlanSummary
+from ds_recycle.runtime.shared.records import Change, Membership, Request
+from ds_recycle.runtime.shared.status_schema import ChangeReport, GanttOp, PlanReport, StatusReport
 from ds_recycle.testing.jobs import Job, hold_degraded, job_config, slot
 
 TOKEN = "0123456789abcdef0123456789abcdef"

@@ -22,10 +22,10 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 from torch.distributed import distributed_c10d as c10d
 
-from ds_recycle.runtime.c10d_store import C10dJobStore
-from ds_recycle.runtime.groups import RecycleGrid, group_roles, rebuild_world
-from ds_recycle.runtime.policy import groups_to_remake
-from ds_recycle.runtime.records import Decision, Membership, Progress
+from ds_recycle.runtime.rank.groups import RecycleGrid, group_roles, rebuild_world
+from ds_recycle.runtime.shared.c10d_store import C10dJobStore
+from ds_recycle.runtime.shared.policy import groups_to_remake
+from ds_recycle.runtime.shared.records import Decision, Membership, Progress
 from ds_recycle.testing.rebuild import store_barrier
 
 PP, DP = 2, 3

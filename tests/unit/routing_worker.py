@@ -25,8 +25,8 @@ from ds_recycle.engine.routing import (
     PeerChannel,
 )
 from ds_recycle.errors import PeerFailure
-from ds_recycle.runtime.groups import PairLinks
-from ds_recycle.runtime.records import Membership
+from ds_recycle.runtime.rank.groups import PairLinks
+from ds_recycle.runtime.shared.records import Membership
 
 FIRST, LAST = (0, 0), (0, 1)
 

@@ -9,18 +9,18 @@ import sys
 import time
 from pathlib import Path
 
-from ds_recycle.runtime.beats import (
+from ds_recycle.runtime.shared.beats import (
     ORPHAN_AFTER_SECONDS,
     make_beat_directory,
     read_beats,
     remove_orphaned_beat_directories,
     write_beat,
 )
-from ds_recycle.runtime.records import Beat
+from ds_recycle.runtime.shared.records import Beat
 
 AGENT = """
 import sys, time
-from ds_recycle.runtime.beats import make_beat_directory
+from ds_recycle.runtime.shared.beats import make_beat_directory
 print(make_beat_directory(3, sys.argv[1]), flush=True)
 time.sleep(600)
 """

@@ -6,7 +6,7 @@ import resource
 
 import pytest
 
-from ds_recycle.runtime.host import HostConfig, descriptor_shortfall, raise_descriptor_limit
+from ds_recycle.runtime.control.host import HostConfig, descriptor_shortfall, raise_descriptor_limit
 
 
 @pytest.fixture

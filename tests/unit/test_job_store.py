@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
-from ds_recycle.runtime import transport
-from ds_recycle.runtime.c10d_store import C10dJobStore, C10dStoreRoot
-from ds_recycle.runtime.records import FAILED, JOIN, Change, CheckIn, Decision, KillOrder, Membership, Request
+from ds_recycle.runtime.shared import transport
+from ds_recycle.runtime.shared.c10d_store import C10dJobStore, C10dStoreRoot
+from ds_recycle.runtime.shared.records import FAILED, JOIN, Change, CheckIn, Decision, KillOrder, Membership, Request
 
 
 @pytest.fixture

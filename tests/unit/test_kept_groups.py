@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ds_recycle.runtime.launcher import launch
-from ds_recycle.runtime.preload import PRELOAD_MODULES
+from ds_recycle.runtime.node.launcher import launch
+from ds_recycle.runtime.node.preload import PRELOAD_MODULES
 
 pytestmark = pytest.mark.multiprocess
 

@@ -7,8 +7,8 @@ import re
 import threading
 import time
 
-from ds_recycle.runtime.keys import RESTART_EXIT_CODE
-from ds_recycle.runtime.launcher import LaunchConfig, Launcher, launch
+from ds_recycle.runtime.node.launcher import LaunchConfig, Launcher, launch
+from ds_recycle.runtime.shared.keys import RESTART_EXIT_CODE
 
 SCRIPT = """
 import os, sys, time
@@ -130,8 +130,8 @@ wait_for("joiner")
 
 
 def test_exit_0_after_leaving_does_not_finish_the_job_and_an_unadmitted_joiner_is_stopped(tmp_path):
-    from ds_recycle.runtime.c10d_store import C10dJobStore
-    from ds_recycle.runtime.records import Membership
+    from ds_recycle.runtime.shared.c10d_store import C10dJobStore
+    from ds_recycle.runtime.shared.records import Membership
 
     path = tmp_path / "ranks.py"
     path.write_text(LEAVE_SCRIPT)

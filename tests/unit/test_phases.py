@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 from ds_recycle.errors import PhaseError
-from ds_recycle.runtime.phases import TRANSITIONS, Phase, PhaseTracker, allowed_after
+from ds_recycle.runtime.rank.phases import TRANSITIONS, Phase, PhaseTracker, allowed_after
 
 FIRST_START = [Phase.TRAINING, Phase.DECIDING, Phase.TRAINING, Phase.RECOVERING, Phase.ENTERING, Phase.BUILDING]
 """A first start, one boundary without change, a failure recovered."""

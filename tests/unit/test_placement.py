@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ds_recycle.runtime.placement import contiguous_nodes, emptied_stages, unsafe_nodes
+from ds_recycle.runtime.shared.placement import contiguous_nodes, emptied_stages, unsafe_nodes
 
 
 def stage_major(P: int, D: int) -> dict[int, tuple[int, int]]:
@@ -63,7 +63,7 @@ def test_a_node_holding_both_replicas_of_a_stage_is_named():
 
 
 def test_nodes_with_one_domain_label_fail_together():
-    from ds_recycle.runtime.placement import domains_of, unsafe_nodes
+    from ds_recycle.runtime.shared.placement import domains_of, unsafe_nodes
 
     nodes = {0: [0, 1], 1: [2, 3], 2: [4, 5]}
     worker_of = {rank: (rank % 3, rank // 3) for rank in range(6)}  # stage-major, P = 2, D = 3
@@ -74,7 +74,7 @@ def test_nodes_with_one_domain_label_fail_together():
 
 
 def test_the_node_layout_of_a_rank_environment():
-    from ds_recycle.runtime.placement import NodeLayout
+    from ds_recycle.runtime.shared.placement import NodeLayout
 
     layout = NodeLayout.from_env({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "2"})
     assert layout == NodeLayout(8, 2) and layout.several and layout.count == 4

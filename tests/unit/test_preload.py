@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_recycle.runtime.preload import preloaded_by
+from ds_recycle.runtime.node.preload import preloaded_by
 
 TIMEOUT = 120
 
@@ -166,7 +166,7 @@ def test_a_preloader_that_cannot_fork_safely_falls_back_to_exec(tmp_path, cause,
 
 @pytest.mark.parametrize("argv", [["-u", "train.py"], ["-m"], []])
 def test_a_command_a_preloaded_rank_cannot_run_is_refused(argv):
-    from ds_recycle.runtime.preload import PreloadError, check_argv
+    from ds_recycle.runtime.node.preload import PreloadError, check_argv
 
     with pytest.raises(PreloadError, match="preload"):
         check_argv(argv)

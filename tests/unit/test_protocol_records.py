@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from ds_recycle.runtime.policy import groups_to_remake
-from ds_recycle.runtime.records import FAILED, MOVE, Beat, Change, Decision, Lease, Membership, Progress
+from ds_recycle.runtime.shared.policy import groups_to_remake
+from ds_recycle.runtime.shared.records import FAILED, MOVE, Beat, Change, Decision, Lease, Membership, Progress
 
 
 def test_a_membership_round_trips_whatever_its_members():

@@ -6,8 +6,8 @@ from __future__ import annotations
 import psutil
 import pytest
 
-from ds_recycle.runtime import transport
-from ds_recycle.runtime.c10d_store import C10dStoreRoot
+from ds_recycle.runtime.shared import transport
+from ds_recycle.runtime.shared.c10d_store import C10dStoreRoot
 
 
 def _listening(port: int) -> set[str]:

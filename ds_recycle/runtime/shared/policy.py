@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ds_recycle.runtime.records import FAILED, LEAVE, MOVE, RETIRED, Change, Decision, GroupState, Progress
+from ds_recycle.runtime.shared.records import FAILED, LEAVE, MOVE, RETIRED, Change, Decision, GroupState, Progress
 
 
 def retired_slots(changes: list[Change]) -> set[int]:

@@ -16,7 +16,7 @@ def _workers(items) -> tuple[WorkerPair, ...]:
 
 @dataclass(frozen=True)
 class ChangeReport:
-    """One membership change as the ranks logged it (a :class:`~ds_recycle.runtime.events.MembershipChange`)."""
+    """One membership change as the ranks logged it (a :class:`~ds_recycle.runtime.shared.events.MembershipChange`)."""
 
     epoch: int
     iteration: int

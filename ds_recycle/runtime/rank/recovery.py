@@ -8,9 +8,9 @@ top-down, in :meth:`RankRuntime.train_batch`:
 1. run the iteration (the engine's own ``train_batch``);
 2. at its boundary the members take one shared decision (:meth:`MembershipAgent.decide`); when
    workers left or joined, every member enters the new epoch: a fresh world and grid
-   (:mod:`~ds_recycle.runtime.groups`), joiners' state from a live replica
-   (:mod:`~ds_recycle.runtime.rejoin`), and the plan of the new failure set;
-3. a :class:`~ds_recycle.runtime.waiting.PeerFailure` (the failure watcher saw the coordinator
+   (:mod:`~ds_recycle.runtime.rank.groups`), joiners' state from a live replica
+   (:mod:`~ds_recycle.runtime.rank.rejoin`), and the plan of the new failure set;
+3. a :class:`~ds_recycle.runtime.rank.waiting.PeerFailure` (the failure watcher saw the coordinator
    publish a failure of a peer, or a gloo operation failed) stops the iteration; the survivors agree
    on the iteration they all restart from (:meth:`MembershipAgent.recover`), each rolls back to it
    (:meth:`Trainee.roll_back_to`), and they enter the epoch without the dead and run it again, so no
@@ -18,7 +18,7 @@ top-down, in :meth:`RankRuntime.train_batch`:
 4. a stage with no live worker stops the job: exit 75 (restart every rank from the latest
    checkpoint) or 76 (no checkpoint: stop).
 
-:class:`Trainee` is all the runtime needs of the engine; :mod:`ds_recycle.runtime.phases` holds the
+:class:`Trainee` is all the runtime needs of the engine; :mod:`ds_recycle.runtime.rank.phases` holds the
 phase table, checked at every phase change.
 """
 
@@ -34,14 +34,15 @@ import torch
 
 from ds_recycle.errors import EpochSuperseded, PeerFailure, StageLostError
 from ds_recycle.log import logger
-from ds_recycle.runtime import checkpoints, exit_guard, keys, placement, rebalance, rejoin, reporting
-from ds_recycle.runtime.events import MembershipChange
-from ds_recycle.runtime.groups import GROUP_TIMEOUT_SECONDS, RecycleGrid, group_roles, rebuild_world
-from ds_recycle.runtime.keys import RESTART_EXIT_CODE, STOP_EXIT_CODE
-from ds_recycle.runtime.membership import MembershipAgent
-from ds_recycle.runtime.phases import Phase, PhaseTracker
-from ds_recycle.runtime.records import MOVE, Change, Decision, Membership, Progress
-from ds_recycle.runtime.waiting import FailureWatcher
+from ds_recycle.runtime.rank import checkpoints, exit_guard, rebalance, rejoin, reporting
+from ds_recycle.runtime.rank.groups import GROUP_TIMEOUT_SECONDS, RecycleGrid, group_roles, rebuild_world
+from ds_recycle.runtime.rank.membership import MembershipAgent
+from ds_recycle.runtime.rank.phases import Phase, PhaseTracker
+from ds_recycle.runtime.rank.waiting import FailureWatcher
+from ds_recycle.runtime.shared import keys, placement
+from ds_recycle.runtime.shared.events import MembershipChange
+from ds_recycle.runtime.shared.keys import RESTART_EXIT_CODE, STOP_EXIT_CODE
+from ds_recycle.runtime.shared.records import MOVE, Change, Decision, Membership, Progress
 
 MAX_RECOVERY_ROUNDS = 8
 HELPER_LOST_EXIT_CODE = 3
@@ -69,7 +70,7 @@ class Trainee(Protocol):
     global_steps: int
     grid: RecycleGrid
     waiter: object
-    """The engine's :class:`~ds_recycle.runtime.waiting.Waiter`: the watcher's flag bounds its waits."""
+    """The engine's :class:`~ds_recycle.runtime.rank.waiting.Waiter`: the watcher's flag bounds its waits."""
     plans: Plans
     plan: object
     """The plan running now (:attr:`Plans.plan`)."""
@@ -114,7 +115,7 @@ class RankRuntime:
     def __init__(self, agent: MembershipAgent, config) -> None:
         self.agent = agent
         self.job = agent.store
-        """The job's store (:class:`~ds_recycle.runtime.job_store.JobStore`)."""
+        """The job's store (:class:`~ds_recycle.runtime.shared.job_store.JobStore`)."""
         self.config = config
         """The engine's RecycleConfig (join and detect timeouts, checkpoint)."""
         self.engine: Trainee | None = None
@@ -164,7 +165,7 @@ class RankRuntime:
             spread = " with each stage's replicas in more than one domain"
         message = (
             f"{what}: its loss would stop the job. Build the PipelineModule with "
-            f"topology=ds_recycle.runtime.placement.pipeline_major_topology(P, D){spread}, or start with "
+            f"topology=ds_recycle.pipeline_major_topology(P, D){spread}, or start with "
             "ds-recycle launch --allow-unsafe-placement"
         )
         if environ.get(keys.ENV_ALLOW_UNSAFE_PLACEMENT) == "1":
@@ -309,7 +310,7 @@ class RankRuntime:
 
     def _propose_move(self, decision: Decision) -> None:
         """After a decision with changes, the lowest member proposes the migration that pays, if a
-        slot is retired (:mod:`ds_recycle.runtime.rebalance`); the coordinator validates it."""
+        slot is retired (:mod:`ds_recycle.runtime.rank.rebalance`); the coordinator validates it."""
         if not decision.changes or not self.engine.is_lowest_live_rank():
             return
         retired, under_way = self.agent.migrations()

@@ -12,7 +12,7 @@ is destroyed and the groups it does not keep go to a graveyard, never reused and
 from a thread that might block on them (docs/design.md, "Process groups"). A stage's or a
 pipeline's group is kept from epoch to epoch (:class:`KeptGroup`: taken out of torch's registry
 before the world is left and registered again with the new world's ranks) unless the decision that
-made the epoch remakes its role (:func:`~ds_recycle.runtime.policy.groups_to_remake`): a member
+made the epoch remakes its role (:func:`~ds_recycle.runtime.shared.policy.groups_to_remake`): a member
 left, failed or joined, or, after a failure, its survivors do not all report the same collectives
 posted on it (one that only some posted is stuck on the group, and would meet a later one). A
 stage's or pipeline's group is made by its members alone, on a store connection of its own, so that
@@ -24,7 +24,7 @@ this rank's address and returns, and a pair of ranks connects at its first op. A
 waits in its constructor, a C++ store wait that nothing can interrupt, for every member's address:
 a member that died after the epoch was entered held every survivor there for the group timeout.
 Lazily, that wait happens inside an op. A collective runs in gloo's worker thread, which the rank
-waits for against the failure flag (``runtime/waiting.py``). A p2p op does not: it connects its
+waits for against the failure flag (``runtime/rank/waiting.py``). A p2p op does not: it connects its
 pair in the calling thread and waits there (gloo's ``Pair::verifyConnected``) until the peer
 connects too, so a rank's first send to a peer would wait for the peer to reach its own first op
 on the pair: a rendezvous that an asynchronous send must not be, and a wait that a dead peer ends
@@ -52,15 +52,15 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ds_recycle.planner.plan import Worker
-from ds_recycle.runtime.job_store import JobStore
-from ds_recycle.runtime.keys import world_prefix
-from ds_recycle.runtime.policy import GroupRoles
-from ds_recycle.runtime.records import Decision, GroupState, Membership
-from ds_recycle.runtime.waiting import WAIT_BOUND_SECONDS
+from ds_recycle.runtime.rank.waiting import WAIT_BOUND_SECONDS
+from ds_recycle.runtime.shared.job_store import JobStore
+from ds_recycle.runtime.shared.keys import world_prefix
+from ds_recycle.runtime.shared.policy import GroupRoles
+from ds_recycle.runtime.shared.records import Decision, GroupState, Membership
 
 GROUP_TIMEOUT_SECONDS = WAIT_BOUND_SECONDS
 """Every group's op timeout but the pairs': a backstop only, failure detection does not wait for
-it (the same bound as a :class:`~ds_recycle.runtime.waiting.Waiter`'s wait)."""
+it (the same bound as a :class:`~ds_recycle.runtime.rank.waiting.Waiter`'s wait)."""
 
 
 def bury(objects) -> None:
@@ -154,7 +154,7 @@ PAIR_TIMEOUT_SECONDS = 7 * 24 * 3600.0
 """A pair group's gloo timeout: never reached. gloo closes a pair when any op on it times out, and a
 kept pair carries the ops a failure abandoned in earlier epochs (each epoch its own tag), which no
 one completes: with the group timeout it would close 120 s after a failure. The waits on a pair's
-ops are bounded by :class:`~ds_recycle.runtime.waiting.Waiter` instead."""
+ops are bounded by :class:`~ds_recycle.runtime.rank.waiting.Waiter` instead."""
 
 _links_made = 0
 """How many :class:`PairLinks` this process made: each engine's k-th, in the same order on every rank."""

@@ -8,7 +8,7 @@ and ranks that are not talking to the dead peer never notice it (docs/design.md 
 - collectives are polled with ``work.is_completed()``;
 - a point-to-point ``wait()`` only completes once called, so it runs in a helper thread while the
   caller polls; after a failure that thread is abandoned (a kept pair's op never times out: it stays
-  blocked, runtime/groups.py) and a fresh one serves the next op;
+  blocked, runtime/rank/groups.py) and a fresh one serves the next op;
 - a wait that sees no failure and no completion for :data:`WAIT_BOUND_SECONDS` ends as a failure,
   the backstop that gloo's group timeout was before pair groups stopped timing out;
 - a gloo error on any op is a failure too: the caller stops at once and waits for the coordinator
@@ -28,14 +28,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ds_recycle.errors import PeerFailure
-from ds_recycle.runtime import exit_guard
-from ds_recycle.runtime.job_store import JobStore
+from ds_recycle.runtime.rank import exit_guard
+from ds_recycle.runtime.shared.job_store import JobStore
 
 SPIN_SECONDS = 0.0005
 POLL_SECONDS = 0.001
 WAIT_BOUND_SECONDS = 120.0
 """The longest wait for one op when no failure is announced; the process groups' timeout too
-(``runtime/groups.py``), but the pairs', which never time out."""
+(``runtime/rank/groups.py``), but the pairs', which never time out."""
 
 
 @dataclass
@@ -44,7 +44,7 @@ class FailureWatcher:
 
     It blocks on this slot's next alert key (``alert/<slot>/<seen+1>``) in the node's store, which
     the node's agent sets for each of its slots in one write whenever it has copied new changes of
-    ``pending`` there (:mod:`~ds_recycle.runtime.node_watch`; ``alert`` counts them): no store
+    ``pending`` there (:mod:`~ds_recycle.runtime.node.node_watch`; ``alert`` counts them): no store
     operation while nothing changes. At every wake the rank takes the changes in
     (:attr:`on_changes`), which is how it learns of leaves and joins without reading at boundaries.
     """

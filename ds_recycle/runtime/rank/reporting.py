@@ -1,11 +1,11 @@
-"""One line and one :class:`~ds_recycle.runtime.events.MembershipChange` per membership change,
+"""One line and one :class:`~ds_recycle.runtime.shared.events.MembershipChange` per membership change,
 and the record of the job that the status page shows.
 
 The line follows DeepSpeed's log format and says, in one place: the epoch, who left, failed or
 joined, the detection latency, the switch time, and the new plan against fault-free and its lower
 bound. The engine hands the change to its monitors on the lowest live rank.
 
-:func:`publish_status` writes the job's :class:`~ds_recycle.runtime.status_schema.StatusReport`
+:func:`publish_status` writes the job's :class:`~ds_recycle.runtime.shared.status_schema.StatusReport`
 (``status`` in the store): the plan the members run, with its Gantt chart, and the last
 :data:`CHANGES_KEPT` changes. One member writes it: the lowest one that ran the change (a joiner
 does not report its own join), at start, after every change and after every change of the cost
@@ -19,10 +19,10 @@ import time
 from dataclasses import dataclass
 
 from ds_recycle.log import logger
-from ds_recycle.runtime.events import MembershipChange
-from ds_recycle.runtime.job_store import JobStore
-from ds_recycle.runtime.records import FAILED, JOIN, LEAVE, MOVE, Decision
-from ds_recycle.runtime.status_schema import ChangeReport, GanttOp, PlanReport, StatusReport
+from ds_recycle.runtime.shared.events import MembershipChange
+from ds_recycle.runtime.shared.job_store import JobStore
+from ds_recycle.runtime.shared.records import FAILED, JOIN, LEAVE, MOVE, Decision
+from ds_recycle.runtime.shared.status_schema import ChangeReport, GanttOp, PlanReport, StatusReport
 
 KINDS = (LEAVE, FAILED, JOIN)
 CHANGES_KEPT = 8

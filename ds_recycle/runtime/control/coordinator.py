@@ -43,11 +43,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ds_recycle.runtime import keys, policy
-from ds_recycle.runtime.beats import read_beats
-from ds_recycle.runtime.c10d_store import C10dJobStore
-from ds_recycle.runtime.job_store import JobStore
-from ds_recycle.runtime.records import (
+from ds_recycle.runtime.shared import keys, policy
+from ds_recycle.runtime.shared.beats import read_beats
+from ds_recycle.runtime.shared.c10d_store import C10dJobStore
+from ds_recycle.runtime.shared.job_store import JobStore
+from ds_recycle.runtime.shared.records import (
     FAILED,
     JOIN,
     LEAVE,
@@ -715,7 +715,7 @@ class Coordinator:
         """Append ``changes`` (kind, slot, time, detail[, target]) in one write: a decision takes all
         or none (``alert`` counts them only once their keys are written). One more write wakes
         every node's agent (each blocks on its own node's next alert key, and wakes its ranks'
-        watchers in turn: :mod:`ds_recycle.runtime.node_watch`): no one polls."""
+        watchers in turn: :mod:`ds_recycle.runtime.node.node_watch`): no one polls."""
         if not changes:
             return
         with self._lock:

@@ -11,7 +11,7 @@ failure the survivors post their progress and fix one recovery decision the same
 
 Every key lives under ``job/<generation>/``: a restart from a checkpoint starts a new generation,
 so nothing from the previous one is read again. This table is the whole protocol; no other module
-spells a key: :class:`~ds_recycle.runtime.job_store.JobStore` is the one that uses them.
+spells a key: :class:`~ds_recycle.runtime.shared.job_store.JobStore` is the one that uses them.
 
 ==============================  =====================================================  ==========
 key                             value                                                  writer
@@ -55,7 +55,7 @@ status                          :class:`StatusReport` JSON: the current plan (ti
 ==============================  =====================================================  ==========
 
 The node's store (``DS_RECYCLE_NODE_STORE``, on 127.0.0.1, hosted by the node's agent:
-:mod:`ds_recycle.runtime.node_watch`) holds a copy of what the ranks' failure watchers read, under the
+:mod:`ds_recycle.runtime.node.node_watch`) holds a copy of what the ranks' failure watchers read, under the
 same keys and generation prefix: ``change/<seq>``, the latest ``epoch/<n>`` with the boundary
 ``decision/<n-1>/<i>`` that made it, ``current_epoch``, ``alert``, and ``alert/<slot>/<k>``, set for
 each of the node's slots when the copy's ``alert`` is k. A rank's watcher blocks on its own next one
@@ -76,7 +76,7 @@ restarted after its host died has a fresh store: it waits for every node's check
 generation max(last) + 1, so that no process of an earlier generation can write into the new one.
 
 A rank never writes its heartbeat to the store: it writes it to a file in its node's beat
-directory (``DS_RECYCLE_BEATS``, :mod:`ds_recycle.runtime.beats`), and its node's agent relays every
+directory (``DS_RECYCLE_BEATS``, :mod:`ds_recycle.runtime.shared.beats`), and its node's agent relays every
 rank's last beat in its lease, one write per node and renewal instead of ten per rank and second.
 
 With several nodes, node 0's agent hosts the store and the coordinator; every other node's agent

@@ -1,6 +1,6 @@
 """The phases of a rank's membership protocol, and the table of the transitions between them.
 
-:class:`~ds_recycle.runtime.recovery.RankRuntime` enters every phase through one
+:class:`~ds_recycle.runtime.rank.recovery.RankRuntime` enters every phase through one
 :class:`PhaseTracker`, which checks the move against :data:`TRANSITIONS`: a move the table does not
 allow is a bug in ds_recycle (:class:`~ds_recycle.errors.PhaseError`), never a failure to recover from.
 """

@@ -10,10 +10,10 @@ so a rank's children go with it.
 programmatic form the tests use. The launcher:
 
 - on node 0 (without ``external_coordinator``) hosts the job's store and coordinator
-  (:class:`~ds_recycle.runtime.host.CoordinatorHost`: the generation's keys are written before any
+  (:class:`~ds_recycle.runtime.control.host.CoordinatorHost`: the generation's keys are written before any
   rank starts) and tells the coordinator about every start and every exit it observes through
   waitpid; on every other node (every node, with a standalone ``ds-recycle coordinator``) waits
-  for the coordinator's generation and tells it through a :class:`~ds_recycle.runtime.node.NodeLink`;
+  for the coordinator's generation and tells it through a :class:`~ds_recycle.runtime.node.link.NodeLink`;
 - when the coordinator's host dies (its link fences the node after ``coordinator_timeout``), waits
   up to ``coordinator_wait`` for a coordinator back at the endpoint and starts every rank again in
   the generation it runs, from the latest checkpoint (a rank of a generation > 0 that finds none
@@ -50,14 +50,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ds_recycle.runtime import keys, transport
-from ds_recycle.runtime.beats import make_beat_directory
-from ds_recycle.runtime.coordinator import Coordinator, HeartbeatPolicy, RankExit, describe_returncode
-from ds_recycle.runtime.host import CoordinatorHost, HostConfig, NodesMissing, raise_descriptor_limit
-from ds_recycle.runtime.node import CoordinatorGone, NodeLink, NodeRefused, await_generation
-from ds_recycle.runtime.node_watch import NodeWatch
-from ds_recycle.runtime.preload import PreloadedProcess, Preloader, PreloadError, check_argv, die_with_parent
-from ds_recycle.runtime.records import Membership
+from ds_recycle.runtime.control.coordinator import Coordinator, HeartbeatPolicy, RankExit, describe_returncode
+from ds_recycle.runtime.control.host import CoordinatorHost, HostConfig, NodesMissing, raise_descriptor_limit
+from ds_recycle.runtime.node.link import CoordinatorGone, NodeLink, NodeRefused, await_generation
+from ds_recycle.runtime.node.node_watch import NodeWatch
+from ds_recycle.runtime.node.preload import PreloadedProcess, Preloader, PreloadError, check_argv, die_with_parent
+from ds_recycle.runtime.shared import keys, transport
+from ds_recycle.runtime.shared.beats import make_beat_directory
+from ds_recycle.runtime.shared.records import Membership
 
 TIMEOUT_EXIT_CODE = 124
 FAILURE_EXIT_CODE = 1
@@ -188,7 +188,7 @@ class LaunchConfig:
     """Extra environment for the ranks (over os.environ)."""
     python: str = sys.executable
     preload: tuple[str, ...] = ()
-    """Modules to import once in a :class:`~ds_recycle.runtime.preload.Preloader` that forks every
+    """Modules to import once in a :class:`~ds_recycle.runtime.node.preload.Preloader` that forks every
     rank (``--preload``); empty: each rank is its own ``python argv...`` (exec)."""
     heartbeat: HeartbeatPolicy = field(default_factory=HeartbeatPolicy)
     grace: float = 5.0
@@ -284,7 +284,7 @@ class Launcher:
         self._preloader: Preloader | None = None
         self._preload_failed = False
         self.beats_dir = make_beat_directory(config.node_rank)
-        """This node's ranks' heartbeat files, relayed by its lease (:mod:`ds_recycle.runtime.beats`)."""
+        """This node's ranks' heartbeat files, relayed by its lease (:mod:`ds_recycle.runtime.shared.beats`)."""
 
     # ---- public --------------------------------------------------------------------------------
 
@@ -371,7 +371,7 @@ class Launcher:
 
     def _watch_changes(self) -> None:
         """This generation's node store, with the job's changes copied in for the ranks' watchers
-        (:mod:`ds_recycle.runtime.node_watch`); the previous generation's is closed."""
+        (:mod:`ds_recycle.runtime.node.node_watch`); the previous generation's is closed."""
         if self.node_watch is not None:
             self.node_watch.stop()
             self.node_watch = None

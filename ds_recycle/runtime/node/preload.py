@@ -39,7 +39,7 @@ READY_TIMEOUT_SECONDS = 300.0
 REPLY_TIMEOUT_SECONDS = 30.0
 ADOPTION_TIMEOUT_SECONDS = 10.0
 """How long a forked rank waits to be re-parented to the agent before it gives up."""
-MODULE = "ds_recycle.runtime.preload"
+MODULE = "ds_recycle.runtime.node.preload"
 """The preloader runs as ``python -m MODULE REQUESTS_FD REPLIES_FD AGENT_PID MODULES...``."""
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36

@@ -2,7 +2,7 @@
 generation's keys): the one module that calls a store's raw operations for the protocol.
 
 Every operation is the sequence of ``get``/``set``/``add``/``compare_set``/``check``/``wait``/
-``multi_get``/``multi_set`` the protocol has always made (:mod:`ds_recycle.runtime.keys` has the
+``multi_get``/``multi_set`` the protocol has always made (:mod:`ds_recycle.runtime.shared.keys` has the
 table): a decision is one ``compare_set``, a counter is an ``add``, a waiter blocks in one ``wait``
 that the server answers when the key is set.
 """
@@ -14,10 +14,10 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 
-from ds_recycle.runtime import keys, transport
-from ds_recycle.runtime.job_store import JobStore, NodeCopy, StoreRoot
-from ds_recycle.runtime.policy import boundary_leavers
-from ds_recycle.runtime.records import (
+from ds_recycle.runtime.shared import keys, transport
+from ds_recycle.runtime.shared.job_store import JobStore, NodeCopy, StoreRoot
+from ds_recycle.runtime.shared.policy import boundary_leavers
+from ds_recycle.runtime.shared.records import (
     FAILED,
     AgentReport,
     Change,
@@ -29,8 +29,8 @@ from ds_recycle.runtime.records import (
     Progress,
     Request,
 )
-from ds_recycle.runtime.status_schema import StatusReport
-from ds_recycle.runtime.transport import Store
+from ds_recycle.runtime.shared.status_schema import StatusReport
+from ds_recycle.runtime.shared.transport import Store
 
 WATCH_TIMEOUT_SECONDS = 600.0
 """The longest single wait for a watcher's next alert key (each timeout logs one c10d warning line,
@@ -78,7 +78,7 @@ class C10dStoreRoot(StoreRoot):
 
 
 class C10dJobStore(JobStore):
-    """One generation's keys on a c10d store (see :class:`~ds_recycle.runtime.job_store.JobStore`)."""
+    """One generation's keys on a c10d store (see :class:`~ds_recycle.runtime.shared.job_store.JobStore`)."""
 
     def __init__(self, client: Store) -> None:
         self.client = client
@@ -94,7 +94,7 @@ class C10dJobStore(JobStore):
         connect_timeout: float | None = None,
     ) -> C10dJobStore:
         """A new client of the store at ``host:port``, under generation ``generation``'s keys
-        (:func:`~ds_recycle.runtime.transport.connect` has the bounds)."""
+        (:func:`~ds_recycle.runtime.shared.transport.connect` has the bounds)."""
         return cls(transport.connect(address, generation, timeout, connect_timeout))
 
     def _wait(self, key: str, seconds: float) -> bool:

@@ -6,7 +6,7 @@ The launcher hands it what waitpid sees; in a thread of its own (with its own st
 - reports its ranks' starts and exits (``report/<k>``), which the coordinator treats as it treats
   node 0's own;
 - renews the node's lease (``lease/<K>``) every fifth of the lease timeout (at least every 0.25 s),
-  with its ranks' last beats (read from the node's beat files: :mod:`ds_recycle.runtime.beats`);
+  with its ranks' last beats (read from the node's beat files: :mod:`ds_recycle.runtime.shared.beats`);
 - carries out the coordinator's kills (``kill/<K>/<k>``: a hung rank of this node, judged after
   seconds), read once a second;
 - **fences** the node when it could not renew its lease for ``grace`` seconds (``--coordinator-timeout``,
@@ -32,10 +32,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from ds_recycle.runtime.beats import read_beats
-from ds_recycle.runtime.c10d_store import C10dJobStore, C10dStoreRoot
-from ds_recycle.runtime.coordinator import RankExit, renew_seconds
-from ds_recycle.runtime.records import AgentReport, CheckIn, Lease, Membership
+from ds_recycle.runtime.control.coordinator import RankExit, renew_seconds
+from ds_recycle.runtime.shared.beats import read_beats
+from ds_recycle.runtime.shared.c10d_store import C10dJobStore, C10dStoreRoot
+from ds_recycle.runtime.shared.records import AgentReport, CheckIn, Lease, Membership
 
 LEASE_WATCH_SECONDS = 0.05
 KILL_CHECK_SECONDS = 1.0

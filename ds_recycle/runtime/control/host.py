@@ -3,7 +3,7 @@ status page.
 
 By default node 0's agent (``ds-recycle launch``) is the host, as torchrun's c10d host; with
 ``ds-recycle coordinator`` a host of its own runs it and every node's agent, node 0's included,
-joins it through a :class:`~ds_recycle.runtime.node.NodeLink`. Either way one
+joins it through a :class:`~ds_recycle.runtime.node.link.NodeLink`. Either way one
 :class:`CoordinatorHost`:
 
 - listens: a TCPStore at the endpoint (:meth:`CoordinatorHost.listen`);
@@ -31,12 +31,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ds_recycle.runtime import keys, transport
-from ds_recycle.runtime.c10d_store import C10dJobStore, C10dStoreRoot
-from ds_recycle.runtime.coordinator import Coordinator, HeartbeatPolicy, NodeLayout
-from ds_recycle.runtime.job_store import JobStore, StoreRoot
-from ds_recycle.runtime.records import CheckIn
-from ds_recycle.runtime.status import StatusServer
+from ds_recycle.runtime.control.coordinator import Coordinator, HeartbeatPolicy, NodeLayout
+from ds_recycle.runtime.control.status import StatusServer
+from ds_recycle.runtime.shared import keys, transport
+from ds_recycle.runtime.shared.c10d_store import C10dJobStore, C10dStoreRoot
+from ds_recycle.runtime.shared.job_store import JobStore, StoreRoot
+from ds_recycle.runtime.shared.records import CheckIn
 
 CHECK_IN_POLL_SECONDS = 0.05
 TIMEOUT_EXIT_CODE = 124
@@ -111,7 +111,7 @@ class HostConfig:
     check_in_timeout: float = 600.0
     """How long :meth:`CoordinatorHost.first_generation` waits for every node's agent."""
     beats_dir: str | None = None
-    """Where ``local_node``'s ranks write their beats (:mod:`ds_recycle.runtime.beats`)."""
+    """Where ``local_node``'s ranks write their beats (:mod:`ds_recycle.runtime.shared.beats`)."""
 
     @property
     def world_size(self) -> int:

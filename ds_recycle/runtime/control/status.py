@@ -3,7 +3,7 @@
 :func:`read_status` reads everything fresh from the job's store, through a client of its own, and
 writes nothing: the epoch and its members; per slot its worker, its state, its heartbeat age and
 iteration time; per node its lease age; the coordinator's latest changes; and what the ranks
-publish under ``status`` (:class:`~ds_recycle.runtime.status_schema.StatusReport`): the plan the
+publish under ``status`` (:class:`~ds_recycle.runtime.shared.status_schema.StatusReport`): the plan the
 members run (predicted iteration time against fault-free and the lower bound, the workers it routes
 around, its Gantt chart) and the last membership changes with their detection and recovery
 latencies. The measured throughput is the samples of one iteration over the slowest member's last
@@ -30,11 +30,11 @@ import time
 from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from ds_recycle.runtime import records
-from ds_recycle.runtime.c10d_store import C10dJobStore
-from ds_recycle.runtime.job_store import JobStore
-from ds_recycle.runtime.records import Change, Membership
-from ds_recycle.runtime.status_schema import ChangeReport, StatusReport
+from ds_recycle.runtime.shared import records
+from ds_recycle.runtime.shared.c10d_store import C10dJobStore
+from ds_recycle.runtime.shared.job_store import JobStore
+from ds_recycle.runtime.shared.records import Change, Membership
+from ds_recycle.runtime.shared.status_schema import ChangeReport, StatusReport
 
 LIVE, SLOW, FAILED, JOINING, LEAVING, OUT = "live", "slow", "failed", "joining", "leaving", "out"
 STATES = (LIVE, SLOW, FAILED, JOINING, LEAVING, OUT)

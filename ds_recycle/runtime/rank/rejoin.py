@@ -9,7 +9,7 @@ A training loop above the engine (the HF Trainer) sends its own state along: the
 
 Each (source, joiner) pair gets a two-rank group; every member creates the pairs' groups in the
 same order, whether or not it takes part in a transfer. The copy runs under the engine's
-:class:`~ds_recycle.runtime.waiting.Waiter`: a source whose joiner dies stops at the announced
+:class:`~ds_recycle.runtime.rank.waiting.Waiter`: a source whose joiner dies stops at the announced
 failure instead of blocking in a broadcast until the group timeout.
 """
 
@@ -20,7 +20,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from ds_recycle.runtime.groups import RecycleGrid, new_group
+from ds_recycle.runtime.rank.groups import RecycleGrid, new_group
 
 COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
 

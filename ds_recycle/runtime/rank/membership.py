@@ -4,7 +4,7 @@ It knows the current epoch, posts this process's requests (leave on a preemption
 after a respawn, a probe when a peer stopped answering), takes the per-boundary decision and the
 after-failure recovery decision that every member of the epoch shares, and keeps a heartbeat so
 that the launcher can tell a hung process from a slow one. It decides nothing alone and holds no
-engine: :mod:`ds_recycle.runtime.recovery` drives it.
+engine: :mod:`ds_recycle.runtime.rank.recovery` drives it.
 
 A decision is one ``compare_set``: the first member to propose fixes it and everyone else reads
 its proposal back, so all members apply the same changes at the same iteration, whatever their
@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 
 from ds_recycle.errors import EpochSuperseded, MemberFailed, MembershipError
 from ds_recycle.log import logger
-from ds_recycle.runtime import keys, policy
-from ds_recycle.runtime.beats import write_beat
-from ds_recycle.runtime.c10d_store import C10dJobStore
-from ds_recycle.runtime.job_store import JobStore
-from ds_recycle.runtime.placement import NodeLayout
-from ds_recycle.runtime.records import (
+from ds_recycle.runtime.shared import keys, policy
+from ds_recycle.runtime.shared.beats import write_beat
+from ds_recycle.runtime.shared.c10d_store import C10dJobStore
+from ds_recycle.runtime.shared.job_store import JobStore
+from ds_recycle.runtime.shared.placement import NodeLayout
+from ds_recycle.runtime.shared.records import (
     FAILED,
     JOIN,
     LEAVE,
@@ -72,10 +72,10 @@ class MembershipAgent:
     incarnation: int
     generation: int
     store: JobStore | None = None
-    """The job's store (:class:`~ds_recycle.runtime.job_store.JobStore`)."""
+    """The job's store (:class:`~ds_recycle.runtime.shared.job_store.JobStore`)."""
     node_address: str | None = None
     """The node's store (``DS_RECYCLE_NODE_STORE``): the node's agent copies the job's changes
-    there, and this rank's watcher waits on it (:mod:`ds_recycle.runtime.node_watch`)."""
+    there, and this rank's watcher waits on it (:mod:`ds_recycle.runtime.node.node_watch`)."""
     node_store: JobStore | None = None
     """The agent's client of the node's store."""
     node_slots: tuple[int, ...] = ()
@@ -100,12 +100,12 @@ class MembershipAgent:
     from each decision this agent takes, read for a later epoch it has not taken."""
     beats_dir: str | None = None
     """The node's beat directory (``DS_RECYCLE_BEATS``): the heartbeat goes there, for the node's
-    agent to relay (:mod:`ds_recycle.runtime.beats`)."""
+    agent to relay (:mod:`ds_recycle.runtime.shared.beats`)."""
     iteration_seconds: float | None = None
     """The last measured iteration time, sent with every beat."""
     group_roles: policy.GroupRoles | None = None
     """The roles of a slot's process groups (set by the engine's runtime): a decision names the
-    roles whose groups the next epoch makes afresh (:func:`~ds_recycle.runtime.policy.groups_to_remake`)."""
+    roles whose groups the next epoch makes afresh (:func:`~ds_recycle.runtime.shared.policy.groups_to_remake`)."""
     _heartbeat: threading.Thread | None = field(default=None, repr=False)
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
 
@@ -424,7 +424,7 @@ class MembershipAgent:
         """The slots whose failure stops a rank in epoch ``current`` when ``latest`` is the newest
         decided epoch: the members of both, and the leavers that the boundary decision making
         ``latest`` took out (noted when this agent took it, else read once per epoch:
-        :meth:`~ds_recycle.runtime.job_store.JobStore.left_at_boundary`). ``latest`` is published, so the
+        :meth:`~ds_recycle.runtime.shared.job_store.JobStore.left_at_boundary`). ``latest`` is published, so the
         decision that made it is written; a boundary decision a straggler writes later at the same
         key did not make it."""
         leavers = self._leavers.get(latest.epoch)

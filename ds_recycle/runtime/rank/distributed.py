@@ -16,9 +16,9 @@ import deepspeed
 import torch.distributed as dist
 
 from ds_recycle.log import logger
-from ds_recycle.runtime import keys
-from ds_recycle.runtime.groups import GROUP_TIMEOUT_SECONDS, rebuild_world
-from ds_recycle.runtime.membership import MembershipAgent
+from ds_recycle.runtime.rank.groups import GROUP_TIMEOUT_SECONDS, rebuild_world
+from ds_recycle.runtime.rank.membership import MembershipAgent
+from ds_recycle.runtime.shared import keys
 
 _agent: MembershipAgent | None = None
 

@@ -1,5 +1,5 @@
 """The records of the coordinator protocol: each one's fields and its JSON round trip (the keys
-they are written under are in :mod:`ds_recycle.runtime.keys`), and the kinds of change and request."""
+they are written under are in :mod:`ds_recycle.runtime.shared.keys`), and the kinds of change and request."""
 
 from __future__ import annotations
 
@@ -236,7 +236,7 @@ class Progress:
     """How far a survivor got when a failure stopped it: ``done`` iterations finished, and whether
     it had already stepped the in-flight iteration ``done``; and the groups it holds for its roles
     in the grid of epoch ``grid_epoch`` (:data:`GroupState` by role), by which the survivors agree
-    which groups to keep (:func:`~ds_recycle.runtime.policy.groups_to_remake`)."""
+    which groups to keep (:func:`~ds_recycle.runtime.shared.policy.groups_to_remake`)."""
 
     done: int
     stepped: bool
@@ -266,7 +266,7 @@ class Decision:
     next: Membership | None = None
     remade: tuple[str, ...] | None = None
     """The roles whose groups the next epoch makes afresh
-    (:func:`~ds_recycle.runtime.policy.groups_to_remake`); None: all."""
+    (:func:`~ds_recycle.runtime.shared.policy.groups_to_remake`); None: all."""
 
     def holders(self) -> tuple[int, ...]:
         """The members of the next epoch that hold the trained state: all but the slots this

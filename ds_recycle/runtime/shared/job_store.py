@@ -1,15 +1,15 @@
 """The job's store as the protocol uses it: typed operations on the records of
-:mod:`ds_recycle.runtime.records` under the keys of :mod:`ds_recycle.runtime.keys`.
+:mod:`ds_recycle.runtime.shared.records` under the keys of :mod:`ds_recycle.runtime.shared.keys`.
 
 :class:`JobStore` is the interface every part of the runtime speaks to the store through (the
 coordinator, the node's agent, a rank's membership agent and failure watcher, the status page);
 :class:`StoreRoot` is the store's root, outside every generation, where agents check in and the
 coordinator names the generation it runs. Their one implementation today is over torch's c10d
-store (:mod:`ds_recycle.runtime.c10d_store`); another backend (etcd) implements these operations,
+store (:mod:`ds_recycle.runtime.shared.c10d_store`); another backend (etcd) implements these operations,
 not c10d's ``get``/``set``/``add``.
 
 A JobStore stands for one generation's keys on one store: the job's, or a node's copy of the part
-its ranks read (:mod:`ds_recycle.runtime.node_watch`), which holds the same keys. Each thread that
+its ranks read (:mod:`ds_recycle.runtime.node.node_watch`), which holds the same keys. Each thread that
 may block in an operation needs a JobStore of its own (a client blocked in a wait blocks every
 other caller of that client).
 """
@@ -21,7 +21,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from ds_recycle.runtime.records import (
+from ds_recycle.runtime.shared.records import (
     AgentReport,
     Change,
     CheckIn,
@@ -32,7 +32,7 @@ from ds_recycle.runtime.records import (
     Progress,
     Request,
 )
-from ds_recycle.runtime.status_schema import StatusReport
+from ds_recycle.runtime.shared.status_schema import StatusReport
 
 
 @dataclass(frozen=True)

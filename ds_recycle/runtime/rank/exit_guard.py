@@ -1,6 +1,6 @@
 """End a trainer process without C++ teardown while an abandoned wait is still blocked.
 
-After a failure, :class:`~ds_recycle.runtime.waiting.Waiter` abandons the helper thread that is
+After a failure, :class:`~ds_recycle.runtime.rank.waiting.Waiter` abandons the helper thread that is
 blocked in a gloo ``wait()`` (gloo cannot abort it; ``ProcessGroup.abort`` does not release it).
 That thread returns when the peer's sockets close or the group's timeout fires. If that happens
 while the interpreter finalizes, the thread cannot take the GIL back, CPython ends it with

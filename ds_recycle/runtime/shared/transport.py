@@ -2,8 +2,8 @@
 bounds on both (torch's ``TCPStore``, behind a ``PrefixStore`` for a generation's keys).
 
 :class:`Store` names the raw operations of a c10d store that
-:class:`~ds_recycle.runtime.c10d_store.C10dJobStore` speaks the protocol with; no other module
-calls them (torch builds its process groups on a client as well: :mod:`ds_recycle.runtime.groups`).
+:class:`~ds_recycle.runtime.shared.c10d_store.C10dJobStore` speaks the protocol with; no other module
+calls them (torch builds its process groups on a client as well: :mod:`ds_recycle.runtime.rank.groups`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Protocol
 
-from ds_recycle.runtime.keys import ENV_STORE, prefix
+from ds_recycle.runtime.shared.keys import ENV_STORE, prefix
 
 STORE_TIMEOUT_SECONDS = 120.0
 """Bound on a blocking store operation of a trainer (the launcher's store is its own host or a

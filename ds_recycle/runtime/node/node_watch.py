@@ -5,8 +5,8 @@ per rank. The node's agent blocks on its node's next key and copies what its ran
 read into a store of its own on 127.0.0.1 (``DS_RECYCLE_NODE_STORE``), under the same keys: the new
 ``change/<seq>``, the latest epoch's record with the boundary decision that made it and
 ``current_epoch``, then ``alert``, then each of its slots' ``alert/<slot>/<k>``. A rank's watcher
-(:class:`~ds_recycle.runtime.waiting.FailureWatcher`) and a survivor's wait for the failure to be
-published (:meth:`~ds_recycle.runtime.membership.MembershipAgent.recover`) block there. So a change
+(:class:`~ds_recycle.runtime.rank.waiting.FailureWatcher`) and a survivor's wait for the failure to be
+published (:meth:`~ds_recycle.runtime.rank.membership.MembershipAgent.recover`) block there. So a change
 costs the job's store a few operations per node instead of per rank.
 
 After a failure the survivors fix one recovery decision (``recovery/<n>``) on the job's store, then
@@ -29,9 +29,9 @@ from collections.abc import Callable
 from functools import partial
 from typing import TypeVar
 
-from ds_recycle.runtime import transport
-from ds_recycle.runtime.c10d_store import C10dJobStore
-from ds_recycle.runtime.job_store import JobStore
+from ds_recycle.runtime.shared import transport
+from ds_recycle.runtime.shared.c10d_store import C10dJobStore
+from ds_recycle.runtime.shared.job_store import JobStore
 
 T = TypeVar("T")
 

@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from ds_recycle.runtime.records import Beat
+from ds_recycle.runtime.shared.records import Beat
 
 DIRECTORY_PREFIX = "ds_recycle_beats_"
 ORPHAN_AFTER_SECONDS = 60.0
