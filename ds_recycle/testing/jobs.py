@@ -303,11 +303,15 @@ def hold_degraded(job: Job, iteration: int) -> None:
     job.hold(iteration + DEGRADED_ITERATIONS)
 
 
-def wait_until_held(job: Job, away: list[int]) -> None:
+def wait_until_held(job: Job, away: list[int], timeout: float = 120.0) -> None:
     """After :meth:`Job.hold`: wait until every slot but ``away`` has run up to the hold and waits
     there (a respawn let in now asks while no boundary decides its join)."""
     survivors = [s for s in range(job.pp * job.dp) if s not in away]
-    job.wait_until(lambda: min(job.progress(s) for s in survivors) >= job.held_at, "the survivors at the hold")
+
+    def held() -> bool:
+        return min(job.progress(s) for s in survivors) >= job.held_at
+
+    job.wait_until(held, "the survivors at the hold", timeout)
 
 
 def rejoin(job: Job, slots: list[int], iteration: int, joins: dict[int, int]) -> None:

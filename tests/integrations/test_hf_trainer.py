@@ -228,24 +228,27 @@ def assert_fault_free_evaluation(dumps: dict[int, dict], full: dict[int, dict]) 
 @pytest.mark.parametrize("killed", [2, 0], ids=["rank2", "leader"])
 def test_a_killed_rank_rejoins_and_the_trainer_takes_up_the_job(runs, tmp_path, killed):
     """The README's command under ``ds-recycle launch --respawn``: rank ``killed`` is SIGKILLed from
-    outside after step 2, once every survivor waits at step 3 (a survivor still inside step 3
-    would recover alone and wait for the held ones' progress: seen once on a loaded host); the
-    survivors wait there until its respawn's join is accepted; it re-joins (the Trainer takes up the
-    engine's step, epoch, data position, LR and log history), and every rank ends with the
-    fault-free parameters and the fault-free logged losses."""
+    outside while every rank waits at the end of step 2; released, the survivors recover together in
+    step 3 and wait at its end until the respawn's join is accepted; it re-joins (the Trainer takes
+    up the engine's step, epoch, data position, LR and log history), and every rank ends with the
+    fault-free parameters and the fault-free logged losses.
+
+    The kill waits for every rank at the hold: killed while some survivors were still in step 3 and
+    others already waited at its end, the ones in step 3 recovered alone and waited 120 s for the
+    held ones' progress (MembershipError), seen once on a loaded host."""
     from ds_recycle.testing.jobs import Job, wait_until_held
 
     out = tmp_path / "rejoin"
     argv = [str(HERE / "hf_kill_worker.py"), *example_arguments(out)]
     job = Job(tmp_path, 2, 2, STEPS, {}, argv=argv, timeout=TIMEOUT, env=hf_environment(out))
     job.env["HF_PROGRESS_DIR"] = str(job.out)
+    job.hold(2)
     job.start()
     try:
-        job.wait_until(lambda: job.progress(killed) >= 2, f"rank {killed} at step 2", timeout=180)
-        job.hold(3)
-        wait_until_held(job, away=[killed])
+        wait_until_held(job, away=[], timeout=180)
         os.kill(job.pids[killed], signal.SIGKILL)
         job.wait_for_event("published_failure", slot=killed)
+        job.hold(3)
         job.wait_for_event("accepted", timeout=180, kind="join", slot=killed)
         job.hold(None)
     except BaseException:
