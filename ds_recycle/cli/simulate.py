@@ -5,6 +5,7 @@
     ds-recycle simulate sweep   --model M --pipelines D --stages P --microbatches m [--placement ...]
     ds-recycle simulate trace   --trace NAME|FILE --model M --stages P --microbatches m
     ds-recycle simulate poisson --model M --gpus N --stages P --rate R --hours H [--repair-hours T]
+    ds-recycle simulate ettr    --model M --stages P [--preset meta|llama3|both] [--scales 1024,...] [--plot OUT.png]
 
 The mode is a positional argument (it may stand anywhere); an option of another mode is refused.
 Every argument is checked before the study runs; a bad one exits 2 with one line naming it and the
@@ -18,9 +19,16 @@ import argparse
 
 from ds_recycle.cli.common import Outputs, UsageError, float_in, given_options, int_in, shorten
 
-HELP = "simulate ReCycle, Oobleck, Bamboo and checkpoint-restart at paper scale (sweep, trace, poisson)"
-MODES = ("sweep", "trace", "poisson")
-SYSTEM_NAMES = ("recycle", "oobleck", "bamboo", "checkpoint")
+HELP = "simulate ReCycle, Oobleck, Bamboo and checkpoint-restart at paper scale (sweep, trace, poisson, ettr)"
+MODES = ("sweep", "trace", "poisson", "ettr")
+SYSTEM_NAMES = ("recycle", "replica-restart", "job-restart", "oobleck", "bamboo", "checkpoint")
+DEFAULT_SYSTEMS = ("recycle", "oobleck", "bamboo", "checkpoint")
+"""sweep, trace and poisson; ettr runs every system of SYSTEM_NAMES."""
+ETTR_PRESETS = ("meta", "llama3", "both")
+ETTR_SCALES = (1024, 16384, 131072)
+ETTR_HOURS = 168.0
+ETTR_SPARES = 0.01
+"""sim/ettr.py DEFAULT_SPARE_FRACTION (not imported: the CLI imports no study module up front)."""
 PLACEMENT_NAMES = ("spread", "stage", "pipeline")
 PRESET_NAMES = ("350M", "1.3B", "2.7B", "6.7B", "13B", "39B", "175B")
 REBALANCE_NAMES = ("off", "migrate", "repartition")
@@ -48,15 +56,20 @@ MODE_OPTIONS: dict[str, tuple[str, ...]] = {
     "trace": ("trace",),
     "gpus": ("poisson",),
     "rate": ("poisson",),
-    "hours": ("poisson",),
-    "repair_hours": ("poisson",),
-    "spares": ("poisson",),
-    "seeds": ("poisson",),
+    "hours": ("poisson", "ettr"),
+    "repair_hours": ("poisson", "ettr"),
+    "spares": ("poisson", "ettr"),
+    "seeds": ("poisson", "ettr"),
+    "png": ("sweep", "trace", "poisson"),
+    "preset": ("ettr",),
+    "scales": ("ettr",),
+    "plot": ("ettr",),
 }
 REQUIRED: dict[str, tuple[str, ...]] = {
     "sweep": ("pipelines", "microbatches"),
     "trace": ("trace", "microbatches"),
     "poisson": ("gpus", "hours"),
+    "ettr": (),
 }
 
 
@@ -70,9 +83,21 @@ def _systems(text: str) -> tuple[str, ...]:
     return tuple(names)
 
 
+def _scales(text: str) -> tuple[int, ...]:
+    allowed = f"a comma list of {', '.join(map(str, ETTR_SCALES))}"
+    parts = [n.strip() for n in text.split(",")]
+    if not text.strip() or any(p not in {str(g) for g in ETTR_SCALES} for p in parts):
+        raise argparse.ArgumentTypeError(f"{shorten(text, 40)!r}: allowed {allowed}")
+    if len(set(parts)) != len(parts):
+        raise argparse.ArgumentTypeError(f"{text!r} names a scale twice: allowed {allowed}, each once")
+    return tuple(sorted(int(p) for p in parts))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "mode", choices=MODES, help="sweep: concurrent failures; trace: replay; poisson: production scale"
+        "mode",
+        choices=MODES,
+        help="sweep: concurrent failures; trace: replay; poisson: production scale; ettr: ETTR against GPUs",
     )
     parser.add_argument(
         "--model", required=True, metavar="M", help=f"a preset ({', '.join(PRESET_NAMES)}) or a JSON file of ModelSpec"
@@ -92,7 +117,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--tp", type=int_in(1, 64), help="tensor-parallel GPUs per worker (default: the preset's)")
     parser.add_argument(
-        "--systems", type=_systems, default=SYSTEM_NAMES, help=f"comma list of {','.join(SYSTEM_NAMES)}"
+        "--systems",
+        type=_systems,
+        help=f"comma list of {','.join(SYSTEM_NAMES)} (default: {','.join(DEFAULT_SYSTEMS)}; ettr: all)",
     )
     parser.add_argument("--placement", choices=PLACEMENT_NAMES, default="spread", help="sweep: where failures land")
     parser.add_argument(
@@ -111,11 +138,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="R",
         help=f"poisson: failure rate as a multiple of Llama 3's 4.7e-4 per GPU-day ([0, {MAX_RATE:g}])",
     )
-    parser.add_argument("--hours", type=float_in(0, MAX_HOURS, low_open=True), metavar="H", help="poisson: duration")
+    parser.add_argument(
+        "--hours",
+        type=float_in(0, MAX_HOURS, low_open=True),
+        metavar="H",
+        help=f"poisson, ettr: duration (ettr: {ETTR_HOURS:g})",
+    )
     parser.add_argument(
         "--repair-hours", type=float_in(0, MAX_HOURS), default=2.0, metavar="T", help="poisson: repair time (2)"
     )
-    parser.add_argument("--spares", type=float_in(0, 1), default=0.0, metavar="FRAC", help="poisson: spare workers")
+    parser.add_argument(
+        "--spares", type=float_in(0, 1), metavar="FRAC", help=f"poisson, ettr: spare workers (0; ettr {ETTR_SPARES:g})"
+    )
     parser.add_argument("--seeds", type=int_in(1, MAX_SEEDS), default=1, metavar="N", help="poisson: repetitions")
     parser.add_argument(
         "--checkpoint-cost", type=float_in(0, 1e5), default=60.0, metavar="S", help="seconds per checkpoint (60)"
@@ -155,6 +189,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--bamboo-reconfigure", type=float_in(0, 1e5), default=20.0, metavar="S", help="Bamboo reconfiguration (20)"
     )
+    parser.add_argument(
+        "--preset", choices=ETTR_PRESETS, default="both", help="ettr: failure rate (Meta's MTTFs, Llama 3's, both)"
+    )
+    parser.add_argument(
+        "--scales",
+        type=_scales,
+        default=ETTR_SCALES,
+        metavar="N,...",
+        help=f"ettr: GPU counts, a comma list of {','.join(map(str, ETTR_SCALES))} (all)",
+    )
+    parser.add_argument("--plot", metavar="OUT.png", help="ettr: write ETTR against GPUs as PNG (needs matplotlib)")
     parser.add_argument("--json", metavar="OUT", help="write the study as JSON")
     parser.add_argument("--png", metavar="OUT.png", help="write a plot as PNG (needs matplotlib)")
 
@@ -169,6 +214,12 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, option) is None:
             flag = "--" + option.replace("_", "-")
             raise UsageError(f"{flag} is required with {mode}")
+    if args.systems is None:
+        args.systems = SYSTEM_NAMES if mode == "ettr" else DEFAULT_SYSTEMS
+    if args.spares is None:
+        args.spares = ETTR_SPARES if mode == "ettr" else 0.0
+    if mode == "ettr":
+        return _run_ettr(args)
     outputs = Outputs.prepare(
         {"--json": args.json, "--png": args.png},
         {"--trace file": args.trace, "--model file": args.model},
@@ -188,25 +239,87 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_matplotlib() -> None:
+def _run_ettr(args: argparse.Namespace) -> int:
+    if args.plot is not None:
+        if not args.plot.lower().endswith(".png"):
+            raise UsageError(f"--plot {shorten(args.plot, 80)}: the file name must end in .png")
+        if args.json is not None and args.json == args.plot:
+            raise UsageError(f"--json and --plot name the same file {shorten(args.plot, 80)}: give two different paths")
+        _check_matplotlib("--plot")
+    outputs = Outputs.prepare({"--json": args.json, "--plot": args.plot}, {"--model file": args.model})
+    try:
+        table = _ettr_table(args)
+        import dataclasses
+        import json
+
+        from ds_recycle.sim.ettr import save_plot, text_table
+
+        print(text_table(table))
+        text = json.dumps(dataclasses.asdict(table), indent=1, allow_nan=False)
+        writers = {"--json": lambda path: path.write_text(text), "--plot": lambda path: save_plot(table, str(path))}
+        for line in outputs.write(writers, {"--json": "table", "--plot": "plot"}):
+            print(line)
+    finally:
+        outputs.discard()
+    return 0
+
+
+def _ettr_table(args: argparse.Namespace):
+    from ds_recycle.sim.ettr import RATE_PRESETS, ettr_study, failures_per_hour
+
+    model, P, checkpointing, params = _common(args)
+    presets = RATE_PRESETS if args.preset == "both" else (args.preset,)
+    hours = args.hours if args.hours is not None else ETTR_HOURS
+    for gpus in args.scales:
+        if gpus // model.tp // P < 1:
+            raise UsageError(
+                f"--scales {gpus}: fewer than one pipeline of {P} workers x tp {model.tp}; needs {P * model.tp} GPUs"
+            )
+        worst = max(failures_per_hour(p, gpus) for p in presets)
+        expected = worst * hours * (1 + args.spares) * args.seeds
+        if expected > MAX_POISSON_EVENTS:
+            raise UsageError(
+                f"--hours/--seeds: about {expected:,.0f} failures expected at {gpus} GPUs; at most "
+                f"{MAX_POISSON_EVENTS:,} allowed (give fewer --hours or --seeds)"
+            )
+    try:
+        return ettr_study(
+            model,
+            P,
+            args.microbatches,
+            args.scales,
+            presets,
+            hours,
+            args.repair_hours,
+            args.spares,
+            args.systems,
+            params,
+            checkpointing,
+            tuple(range(args.seeds)),
+        )
+    except ValueError as exc:
+        raise UsageError(f"--model/--stages/--microbatches: {exc}") from None
+
+
+def _check_matplotlib(flag: str = "--png") -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         raise UsageError(
-            "--png needs matplotlib, which is not installed: pip install matplotlib (or leave out --png)"
+            f"{flag} needs matplotlib, which is not installed: pip install matplotlib (or leave out {flag})"
         ) from None
 
 
-def _study(args: argparse.Namespace):
+def _common(args: argparse.Namespace):
+    """The model, stages, checkpointing and system parameters every mode shares."""
     from ds_recycle.sim import experiments as ex
     from ds_recycle.sim.bamboo import BambooParams
     from ds_recycle.sim.checkpoint import CheckpointParams
-    from ds_recycle.sim.job import LLAMA3_RATE_PER_GPU_DAY, Checkpointing, Job
+    from ds_recycle.sim.job import Checkpointing
     from ds_recycle.sim.oobleck import OobleckParams
     from ds_recycle.sim.presets import get_model
     from ds_recycle.sim.rebalance import RebalanceParams
     from ds_recycle.sim.recycle import RecycleParams
-    from ds_recycle.sim.traces import TraceError, find_trace, read_trace
 
     try:
         model = get_model(args.model, args.tp)
@@ -231,6 +344,15 @@ def _study(args: argparse.Namespace):
         bamboo=BambooParams(depth_factor=args.bamboo_depth, reconfigure_s=args.bamboo_reconfigure),
         checkpoint=CheckpointParams(args.checkpoint_policy),
     )
+    return model, P, checkpointing, params
+
+
+def _study(args: argparse.Namespace):
+    from ds_recycle.sim import experiments as ex
+    from ds_recycle.sim.job import LLAMA3_RATE_PER_GPU_DAY, Job
+    from ds_recycle.sim.traces import TraceError, find_trace, read_trace
+
+    model, P, checkpointing, params = _common(args)
 
     def job(D: int, m: int, flag: str, rate: float | None = None) -> Job:
         try:

@@ -25,12 +25,17 @@ from ds_recycle.planner.plan import Worker
 from ds_recycle.sim.bamboo import Bamboo, BambooParams
 from ds_recycle.sim.checkpoint import CheckpointParams, CheckpointRestart
 from ds_recycle.sim.job import LLAMA3_RATE_PER_GPU_DAY, Job
+from ds_recycle.sim.job_restart import JobRestart, JobRestartParams
 from ds_recycle.sim.oobleck import Oobleck, OobleckParams
 from ds_recycle.sim.recycle import Recycle, RecycleParams
+from ds_recycle.sim.replica_restart import ReplicaRestart, ReplicaRestartParams
 from ds_recycle.sim.timeline import Event, Run, System, replay
 from ds_recycle.sim.traces import Trace
 
 SYSTEMS = ("recycle", "oobleck", "bamboo", "checkpoint")
+"""The systems of the paper study (the default of every experiment)."""
+ALL_SYSTEMS = ("recycle", "replica-restart", "job-restart", "oobleck", "bamboo", "checkpoint")
+"""Every system :func:`make_system` builds, with the 2026 baselines of issue 44 (``sim/ettr.py``)."""
 PLACEMENTS = ("spread", "stage", "pipeline")
 
 
@@ -40,6 +45,8 @@ class SystemParams:
     oobleck: OobleckParams = field(default_factory=OobleckParams)
     bamboo: BambooParams = field(default_factory=BambooParams)
     checkpoint: CheckpointParams = field(default_factory=CheckpointParams)
+    replica_restart: ReplicaRestartParams = field(default_factory=ReplicaRestartParams)
+    job_restart: JobRestartParams = field(default_factory=JobRestartParams)
 
 
 def make_system(name: str, job: Job, params: SystemParams, clock_offset: float = 0.0, cache=None) -> System:
@@ -51,7 +58,24 @@ def make_system(name: str, job: Job, params: SystemParams, clock_offset: float =
         return Bamboo(job, params.bamboo, clock_offset)
     if name == "checkpoint":
         return CheckpointRestart(job, params.checkpoint, clock_offset)
-    raise ValueError(f"unknown system {name!r}: one of {', '.join(SYSTEMS)}")
+    if name == "replica-restart":
+        return ReplicaRestart(job, params.replica_restart, clock_offset)
+    if name == "job-restart":
+        return JobRestart(job, params.job_restart, clock_offset)
+    raise ValueError(f"unknown system {name!r}: one of {', '.join(ALL_SYSTEMS)}")
+
+
+def fault_free_rate(name: str, job: Job, params: SystemParams, initial: Sequence[str], cache=None) -> float:
+    """Samples/s of system ``name`` on ``initial`` with no failure (its steady rate at the start)."""
+    return make_system(name, job, params, 0.0, cache).start(list(initial))[-1].rate
+
+
+def ettr(run: Run, fault_free_samples_per_s: float) -> float:
+    """Effective training time ratio: the useful work of ``run`` over what the same system would
+    have done with no failure in the same wall time (its fault-free rate times the duration)."""
+    if fault_free_samples_per_s <= 0 or run.duration <= 0:
+        return 0.0
+    return run.samples / (fault_free_samples_per_s * run.duration)
 
 
 def placement_workers(pipelines: int, stages: int, failures: int, placement: str) -> list[Worker]:
@@ -106,6 +130,14 @@ class Study:
     rows: list[SweepRow] = field(default_factory=list)
     series: list[dict] = field(default_factory=list)
     """Poisson: one entry per repetition (seed)."""
+    fault_free: dict[str, float] = field(default_factory=dict)
+    """Poisson: each system's samples/s with no failure, the reference of its ETTR."""
+
+    def ettr(self, name: str) -> float | None:
+        """The ETTR of system ``name`` (None where no fault-free reference was computed)."""
+        if name not in self.fault_free:
+            return None
+        return ettr(self.runs[name], self.fault_free[name])
 
     def samples_per_s(self, name: str) -> float:
         return self.runs[name].samples_per_s
@@ -144,6 +176,9 @@ class Study:
             "systems": {name: run.to_dict(segments) for name, run in self.runs.items()},
             "ratios": self.ratios(),
         }
+        for name in self.fault_free:
+            out["systems"][name]["ettr"] = self.ettr(name)
+            out["systems"][name]["fault_free_samples_per_s"] = self.fault_free[name]
         if self.rows:
             out["rows"] = [row.to_dict() for row in self.rows]
         if self.series:
@@ -312,8 +347,11 @@ def poisson(
     cache = PlanCache()
     totals = {name: Run(name, 0.0) for name in systems}
     series = []
+    fault_free: dict[str, float] = {}
     for seed in seeds:
         initial, events = poisson_events(job.workers, spares, per_worker, hours, repair_hours, seed)
+        if not fault_free:
+            fault_free = {name: fault_free_rate(name, job, params, initial, cache) for name in systems}
         entry = {"seed": seed, "failures": sum(1 for e in events if e.kind == "remove"), "systems": {}}
         for name in systems:
             run = replay(make_system(name, job, params, 0.0, cache), initial, events, hours * 3600.0)
@@ -333,7 +371,7 @@ def poisson(
         "seeds": list(seeds),
         "label": f"{job.gpus} GPUs {job.model.name} x{rate_multiple:g} Llama 3 rate",
     }
-    return Study("poisson", config, totals, series=series)
+    return Study("poisson", config, totals, series=series, fault_free=fault_free)
 
 
 def job_config(job: Job) -> dict:

@@ -35,10 +35,15 @@ def text_report(study: Study) -> str:
         lines.append("mean over the rows (samples/s, wall time, downtime included)")
     else:
         lines.append("")
-    lines.append(f"{'system':<12}{'samples/s':>12}{'downtime s':>14}  events")
+    with_ettr = bool(study.fault_free)
+    lines.append(
+        f"{'system':<16}{'samples/s':>12}" + (f"{'ETTR':>8}" if with_ettr else "") + f"{'downtime s':>14}  events"
+    )
     for name, run in study.runs.items():
         notes = ", ".join(f"{k} x{v}" for k, v in run.to_dict()["notes"].items()) or "-"
-        lines.append(f"{name:<12}{run.samples_per_s:12.2f}{run.downtime:14.0f}  {notes}")
+        value = study.ettr(name)
+        cell = (f"{value:8.4f}" if value is not None else f"{'-':>8}") if with_ettr else ""
+        lines.append(f"{name:<16}{run.samples_per_s:12.2f}{cell}{run.downtime:14.0f}  {notes}")
     lines.append(ratio_line(study))
     return "\n".join(lines)
 

@@ -26,6 +26,7 @@ SMOKE = {
     "evaluation.py": ["--smoke"],
     "measured_costs.py": ["--smoke"],
     "control_plane.py": ["--smoke"],
+    "ettr.py": ["--smoke"],
 }
 MULTIPROCESS = {
     "engine_vs_stock.py",
