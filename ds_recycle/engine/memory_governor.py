@@ -55,12 +55,14 @@ class MemoryGovernor:
 
     def row(self, module: torch.nn.Module, optimizer: object) -> list[float]:
         """This worker's part of the agreement: present, measured, per micro-batch, static, limit."""
+        if self._row is not None:  # measured once: a worker's row does not change
+            return self._row.values()
         limit = float(self.limit if self.limit is not None else device_budget(self.device))
-        if self._row is None and self.meter.per_microbatch is not None:
-            static = static_bytes(module, optimizer, self.device)
-            self._row = BudgetRow(1.0, 1.0, float(self.meter.per_microbatch), float(static), limit)
-        row = self._row or BudgetRow(static=float(static_bytes(module, optimizer, self.device)), limit=limit)
-        return row.values()
+        static = float(static_bytes(module, optimizer, self.device))
+        if self.meter.per_microbatch is None:
+            return BudgetRow(static=static, limit=limit).values()
+        self._row = BudgetRow(1.0, 1.0, float(self.meter.per_microbatch), static, limit)
+        return self._row.values()
 
     def take(self, table: list[list[float]], pipelines: int, stages: int, epoch: int) -> bool:
         """The agreed ``table``; whether it made the job's first budget."""

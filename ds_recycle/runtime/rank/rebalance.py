@@ -52,10 +52,10 @@ def propose(engine, retired: Collection[int], under_way: Mapping[int, int], rank
     failed = set(grid.failed)
     for mover, target in under_way.items():
         failed = set(_moved(failed, migration.Move(grid.worker_of(mover), grid.worker_of(target))))
-    costs = engine.plans.plan.costs
+    costs = engine.plan.costs
     work = [costs.F[s] + costs.B[s] + costs.W[s] for s in range(P)]
     want = migration.needed(D, migration.live_per_stage(D, P, failed), work)
-    now = engine.plans.predicted_time(tuple(sorted(failed))) if under_way else engine.plans.plan.iteration_time
+    now = engine.plans.predicted_time(tuple(sorted(failed))) if under_way else engine.plan.iteration_time
     for node in sorted({slot // ranks_per_node for slot in retired}):
         targets = {grid.worker_of(s) for s in retired if s // ranks_per_node == node}
         sources = {grid.worker_of(s) for s in grid.membership.members if s // ranks_per_node == node}

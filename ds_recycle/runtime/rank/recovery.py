@@ -55,9 +55,6 @@ T = TypeVar("T")
 class Plans(Protocol):
     """What the runtime reads of the engine's plan book."""
 
-    plan: object
-    """The plan running now (its costs and predicted iteration time)."""
-
     def predicted_time(self, failed: tuple[tuple[int, int], ...]) -> float: ...
 
     def fault_free_time(self) -> float: ...
@@ -73,7 +70,7 @@ class Trainee(Protocol):
     """The engine's :class:`~ds_recycle.runtime.rank.waiting.Waiter`: the watcher's flag bounds its waits."""
     plans: Plans
     plan: object
-    """The plan running now (:attr:`Plans.plan`)."""
+    """The plan running now (its costs and predicted iteration time)."""
     optimizer: object
     lr_scheduler: object
     module: torch.nn.Module
