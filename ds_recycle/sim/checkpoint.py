@@ -16,12 +16,12 @@ Model (the Varuna model of Oobleck's artifact, Young's interval; docs/simulator.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ds_recycle.sim.job import Job, iteration_1f1b
-from ds_recycle.sim.timeline import CheckpointClock, Phase
+from ds_recycle.sim.job import Job
+from ds_recycle.sim.packed import PackedPipelines
+from ds_recycle.sim.timeline import Phase
 
 POLICIES = ("shrink", "wait")
 
@@ -35,25 +35,11 @@ class CheckpointParams:
             raise ValueError(f"checkpoint policy {self.policy!r}: one of {', '.join(POLICIES)}")
 
 
-class CheckpointRestart:
+class CheckpointRestart(PackedPipelines):
     name = "checkpoint"
 
     def __init__(self, job: Job, params: CheckpointParams = CheckpointParams(), clock_offset: float = 0.0):
-        self.job = job
-        self.params = params
-        self.active: list[str] = []
-        """Nodes of the running pipelines, ``P`` per pipeline."""
-        self.spares: list[str] = []
-        self.notes: list[str] = []
-        self.clock = CheckpointClock(job.checkpoint_interval, clock_offset)
-
-    @property
-    def pipelines(self) -> int:
-        return len(self.active) // self.job.stages
-
-    def start(self, nodes: Sequence[str]) -> list[Phase]:
-        self._pack(list(nodes))
-        return [self._steady()]
+        super().__init__(job, params, clock_offset)
 
     def change(self, now: float, removed: Sequence[str], added: Sequence[str]) -> list[Phase]:
         gone = set(removed)
@@ -83,26 +69,11 @@ class CheckpointRestart:
             pause = ckpt.cost_s + ckpt.restart_s
             self.clock.pause(now, pause, restart=True)
             return [Phase(pause, 0.0, "grow"), self._steady()]
-        self.spares = [n for n in alive if n not in self.active]
+        self._keep_spares(alive)
         return [self._steady()]
-
-    def rate(self) -> float:
-        D = self.pipelines
-        if D == 0:
-            return 0.0
-        job = self.job
-        b = math.ceil(job.global_batch / D)
-        return job.global_batch / iteration_1f1b(job, job.stages, b, D) * job.checkpoint_efficiency
 
     def _target(self, live: int) -> int:
         job = self.job
         if self.params.policy == "wait":
             return job.pipelines if live >= job.workers else 0
-        return min(job.pipelines, live // job.stages)
-
-    def _pack(self, nodes: list[str]) -> None:
-        used = self._target(len(nodes)) * self.job.stages
-        self.active, self.spares = nodes[:used], nodes[used:]
-
-    def _steady(self) -> Phase:
-        return Phase(math.inf, self.rate())
+        return super()._target(live)

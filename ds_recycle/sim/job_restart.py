@@ -22,8 +22,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ds_recycle.sim.job import Job, iteration_1f1b
-from ds_recycle.sim.timeline import CheckpointClock, Phase
+from ds_recycle.sim.job import Job
+from ds_recycle.sim.packed import PackedPipelines
+from ds_recycle.sim.timeline import Phase
 
 FLASHRECOVERY_RESTART_S = 150.0
 """FlashRecovery (arXiv 2509.03047): recovery in 150 s for a job on 4,800 devices."""
@@ -46,39 +47,11 @@ class JobRestartParams:
             )
 
 
-class JobRestart:
+class JobRestart(PackedPipelines):
     name = "job-restart"
 
     def __init__(self, job: Job, params: JobRestartParams = JobRestartParams(), clock_offset: float = 0.0):
-        self.job = job
-        self.params = params
-        self.active: list[str] = []
-        """Nodes of the running pipelines, ``P`` per pipeline."""
-        self.spares: list[str] = []
-        self.notes: list[str] = []
-        self.clock = CheckpointClock(job.checkpoint_interval, clock_offset)
-
-    @property
-    def pipelines(self) -> int:
-        return len(self.active) // self.job.stages
-
-    def iteration(self) -> float:
-        """Seconds per iteration on the running pipelines (inf when none runs)."""
-        D = self.pipelines
-        if D == 0:
-            return math.inf
-        job = self.job
-        return iteration_1f1b(job, job.stages, math.ceil(job.global_batch / D), D)
-
-    def rate(self) -> float:
-        it = self.iteration()
-        return self.job.global_batch / it * self.job.checkpoint_efficiency if math.isfinite(it) else 0.0
-
-    # ----- the System protocol -----
-
-    def start(self, nodes: Sequence[str]) -> list[Phase]:
-        self._pack(list(nodes))
-        return [self._steady()]
+        super().__init__(job, params, clock_offset)
 
     def change(self, now: float, removed: Sequence[str], added: Sequence[str]) -> list[Phase]:
         gone = set(removed)
@@ -108,18 +81,5 @@ class JobRestart:
             self.notes.append("grow" if before else "restart")
             self.clock.pause(now, restart, restart=False)
             return [Phase(restart, 0.0, "restart"), self._steady()]
-        active = set(self.active)
-        self.spares = [n for n in alive if n not in active]
+        self._keep_spares(alive)
         return [self._steady()]
-
-    # ----- internals -----
-
-    def _target(self, live: int) -> int:
-        return min(self.job.pipelines, live // self.job.stages)
-
-    def _pack(self, nodes: list[str]) -> None:
-        used = self._target(len(nodes)) * self.job.stages
-        self.active, self.spares = nodes[:used], nodes[used:]
-
-    def _steady(self) -> Phase:
-        return Phase(math.inf, self.rate())
