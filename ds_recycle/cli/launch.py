@@ -61,6 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also import MODULE before forking (repeatable; implies --preload); only a module that does not read "
         "the rank's environment (RANK, WORLD_SIZE, ...) at import",
     )
+    parser.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        default=None,
+        help="the ranks' communication: nccl (each rank on a CUDA device, LOCAL_RANK mod GPUs; the default where "
+        "torch sees a GPU) or gloo (CPU; the default elsewhere)",
+    )
     parser.add_argument("--timeout", type=float, default=None, metavar="S", help="kill everything after S seconds")
     parser.add_argument("--log-dir", default=None, metavar="DIR", help="write rank<R>.log here (default: stdout)")
     parser.add_argument("--host", default="127.0.0.1", help="address the store listens on (default loopback)")
@@ -84,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         external_coordinator=args.external_coordinator,
         coordinator_timeout=args.coordinator_timeout,
         domain=node.domain,
-        env={keys.ENV_ALLOW_UNSAFE_PLACEMENT: "1"} if args.allow_unsafe_placement else None,
+        env=_rank_env(args, node),
         respawn=args.respawn,
         respawn_delay=args.respawn_delay,
         max_restarts=args.max_restarts,
@@ -95,8 +102,33 @@ def run(args: argparse.Namespace) -> int:
         python=sys.executable,
         preload=_preload_modules(args),
         grace=args.grace,
+        backend=_backend(args),
     )
     return Launcher(config).run(handle_signals=True)
+
+
+def _rank_env(args: argparse.Namespace, node: nodes.NodeSpec) -> dict[str, str] | None:
+    """The ranks' extra environment: --allow-unsafe-placement, and the GPUs --include/--exclude chose."""
+    env: dict[str, str] = {}
+    if args.allow_unsafe_placement:
+        env[keys.ENV_ALLOW_UNSAFE_PLACEMENT] = "1"
+    if node.visible_devices is not None:
+        env[nodes.VISIBLE_DEVICES] = node.visible_devices
+    return env or None
+
+
+def _backend(args: argparse.Namespace) -> str:
+    backend = args.backend
+    if backend is None:
+        import torch
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and (args.preload or args.preload_module):
+        raise UsageError(
+            "--preload with --backend nccl (the default where a GPU is present): ranks forked from one "
+            "process do not each get CUDA; leave out --preload and --preload-module, or give --backend gloo"
+        )
+    return backend
 
 
 def _preload_modules(args: argparse.Namespace) -> tuple[str, ...]:

@@ -33,7 +33,7 @@ import copy
 import functools
 import time
 from collections.abc import Callable
-from types import MethodType
+from types import MethodType, SimpleNamespace
 from typing import Protocol
 
 import torch
@@ -311,6 +311,15 @@ class RecyclePipelineEngine(PipelineEngine):
         if not self.recycle.enabled:
             return super().save_checkpoint(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
         return self.checkpointer.save(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+
+    def _set_distributed_vars(self, args) -> None:
+        """DeepSpeed's, except that on a host with more ranks than GPUs (tests on one GPU) the ranks
+        share them: rank ``LOCAL_RANK`` computes on GPU ``LOCAL_RANK mod GPUs``
+        (:mod:`~ds_recycle.runtime.rank.communication`)."""
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count and 0 <= self.local_rank and count <= self.local_rank and not hasattr(args, "device_rank"):
+            args = SimpleNamespace(device_rank=self.local_rank % count)
+        super()._set_distributed_vars(args)
 
     def _check_supported(self) -> None:
         if self.is_pipe_partitioned or self.is_grad_partitioned:

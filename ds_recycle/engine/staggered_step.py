@@ -203,7 +203,7 @@ class StageStepper:
 
     def _send_partial_norm(self, partial: float) -> None:
         """To every live worker of another stage whose pipeline this worker stands in for."""
-        norm_msg = torch.tensor([partial], dtype=torch.float64)
+        norm_msg = torch.tensor([partial], dtype=torch.float64, device=self.engine.device)
         for pipeline in self.grid.served_by(self.worker):
             for stage in range(self.stages):
                 if stage != self.stage and self.grid.is_live((pipeline, stage)):
@@ -214,7 +214,7 @@ class StageStepper:
         partials = {self.stage: own_partial}
         for stage in range(self.stages):
             if stage != self.stage:
-                buf = torch.zeros(1, dtype=torch.float64)
+                buf = torch.zeros(1, dtype=torch.float64, device=self.engine.device)
                 self.channel.recv_into((buf,), self.grid.partner(self.pipeline, stage), GRAD_NORM, 0, stage)
                 partials[stage] = buf.item()
         return sum(partials[s] for s in range(self.stages))

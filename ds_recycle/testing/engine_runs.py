@@ -74,6 +74,8 @@ def initialize(engine: str, **kwargs: Any) -> Any:
     if engine == "stock":
         import deepspeed
 
+        if torch.cuda.is_available() and "args" not in kwargs:  # ranks beyond the GPUs share them, as ReCycle's do
+            kwargs["args"] = argparse.Namespace(device_rank=int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
         return deepspeed.initialize(**kwargs)[0]
     import ds_recycle
 

@@ -61,6 +61,8 @@ class Job:
     env: dict[str, str] = field(default_factory=dict)
     preload: bool = True
     """Fork the ranks from a preloaded process (``--preload``: seconds less per start); False: exec."""
+    backend: str = "gloo"
+    """``--backend``: ``gloo`` (CPU) or ``nccl`` (CUDA, no preload: each rank is exec'd)."""
     lines: list[str] = field(default_factory=list)
     held_at: int | None = field(default=None, init=False)
     """The iteration :meth:`hold` holds the ranks at (None: they go on)."""
@@ -81,7 +83,9 @@ class Job:
         if self.respawn:
             launcher += ["--respawn", "--respawn-delay", str(self.respawn_delay)]
         launcher += ["--timeout", str(self.timeout), "--log-dir", str(self.tmp / "logs")]
-        launcher += ["--events", str(self.events.path), *(["--preload"] if self.preload else []), *self.launcher_args]
+        nccl = self.backend == "nccl"
+        preload = ["--preload"] if self.preload and not nccl else []
+        launcher += ["--events", str(self.events.path), "--backend", self.backend, *preload, *self.launcher_args]
         script = self.argv or [
             str(WORKER),
             *("--pp", str(self.pp), "--steps", str(self.steps), "--optimizer", self.optimizer),
@@ -90,7 +94,7 @@ class Job:
             *(["--helpers"] if self.helpers else []),
             *self.worker_args,
         ]
-        env = {**os.environ, "DS_ACCELERATOR": "cpu", **self.env}
+        env = {**os.environ, "DS_ACCELERATOR": "cuda" if nccl else "cpu", **self.env}
         self.proc = subprocess.Popen(
             launcher + script,
             stdout=subprocess.PIPE,
@@ -268,13 +272,13 @@ def job_config() -> dict:
 
 
 def fault_free(
-    tmp_path_factory, pp: int, dp: int, steps: int, optimizer: str, data: str = "provider"
+    tmp_path_factory, pp: int, dp: int, steps: int, optimizer: str, data: str = "provider", backend: str = "gloo"
 ) -> dict[int, dict]:
     """The final state of every slot in a fault-free run of the job (run once per test session)."""
-    key = (pp, dp, steps, optimizer, data)
+    key = (pp, dp, steps, optimizer, data, backend)
     if key not in _fault_free:
-        tmp = tmp_path_factory.mktemp(f"fault_free_pp{pp}dp{dp}_{optimizer}_{data}")
-        _fault_free[key] = run_fault_free(tmp, pp, dp, steps, optimizer, data=data)
+        tmp = tmp_path_factory.mktemp(f"fault_free_pp{pp}dp{dp}_{optimizer}_{data}_{backend}")
+        _fault_free[key] = run_fault_free(tmp, pp, dp, steps, optimizer, data=data, backend=backend)
     return _fault_free[key]
 
 
@@ -287,9 +291,10 @@ def run_fault_free(
     timeout: float = 240.0,
     data: str = "provider",
     worker_args: list[str] | None = None,
+    backend: str = "gloo",
 ) -> dict[int, dict]:
     """Run the job without a failure in ``tmp``; the final state of every slot."""
-    job = Job(tmp, pp, dp, steps, job_config(), optimizer, respawn=False, timeout=timeout, data=data)
+    job = Job(tmp, pp, dp, steps, job_config(), optimizer, respawn=False, timeout=timeout, data=data, backend=backend)
     job.worker_args = list(worker_args or [])
     code = job.start().finish()
     assert code == 0, job.log_tail()

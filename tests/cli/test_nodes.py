@@ -100,7 +100,7 @@ def test_token_file_must_be_private(tmp_path):
 )
 def test_bad_node_input_names_the_problem(argv, env, message):
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        resolve(parse(*argv), env)
+        resolve(parse(*argv), env, gpu_count=lambda: 0)  # as on a machine without a GPU
 
 
 def test_bad_node_input_through_the_cli_is_one_line_and_starts_nothing(tmp_path):

@@ -187,6 +187,9 @@ class LaunchConfig:
     env: dict[str, str] | None = None
     """Extra environment for the ranks (over os.environ)."""
     python: str = sys.executable
+    backend: str = "gloo"
+    """The ranks' communication backend (``--backend``): ``gloo`` (CPU) or ``nccl`` (each rank on a
+    CUDA device; ranks beyond the host's GPUs share them)."""
     preload: tuple[str, ...] = ()
     """Modules to import once in a :class:`~ds_recycle.runtime.node.preload.Preloader` that forks every
     rank (``--preload``); empty: each rank is its own ``python argv...`` (exec)."""
@@ -425,7 +428,8 @@ class Launcher:
     def _rank_env(self) -> dict[str, str]:
         """The environment every rank of this node shares (before its own variables)."""
         env = {**os.environ, **(self.config.env or {})}
-        env.setdefault("DS_ACCELERATOR", "cpu")
+        env.setdefault("DS_ACCELERATOR", "cuda" if self.config.backend == "nccl" else "cpu")
+        env[keys.ENV_BACKEND] = self.config.backend
         env.setdefault("OMP_NUM_THREADS", "1")
         env[keys.ENV_BEATS] = self.beats_dir
         env.pop("LOCAL_SIZE", None)  # would turn on DeepSpeed's shm all-reduce (66 MB a rank, leaked on SIGKILL)
@@ -852,6 +856,7 @@ def launch(
     preload: tuple[str, ...] = (),
     max_restarts: int | None = None,
     rebalance: bool = True,
+    backend: str = "gloo",
 ) -> list[RankResult]:
     """Run ``python argv...`` as ranks 0..world_size-1 under a :class:`Launcher`.
 
@@ -875,6 +880,7 @@ def launch(
         preload=preload,
         max_restarts=max_restarts,
         rebalance=rebalance,
+        backend=backend,
     )
     launcher = Launcher(config, echo=echo or (lambda line: None))
     launcher.run()

@@ -52,6 +52,8 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ds_recycle.planner.plan import Worker
+from ds_recycle.runtime.rank import communication
+from ds_recycle.runtime.rank.communication import GLOO, NCCL
 from ds_recycle.runtime.rank.waiting import WAIT_BOUND_SECONDS
 from ds_recycle.runtime.shared.job_store import JobStore
 from ds_recycle.runtime.shared.keys import world_prefix
@@ -101,6 +103,7 @@ def rebuild_world(
     slot: int,
     timeout: float = GROUP_TIMEOUT_SECONDS,
     kept: Iterable[KeptGroup] = (),
+    backend: str = GLOO,
 ) -> None:
     """Leave the current world (if any) and join the world of ``membership`` on its own prefix.
     Returns at once: the world connects lazily. ``kept``: groups of the current world that the new
@@ -110,19 +113,26 @@ def rebuild_world(
     The world gets its own connection to the store (:meth:`JobStore.world_rendezvous`): gloo looks
     up a peer's address in its own threads, and a lookup of a dead peer's address blocks its
     connection until the group timeout; on the caller's connection it would block the membership
-    protocol too."""
+    protocol too.
+
+    On NCCL (``backend``) nothing is kept: the world's communicators and its pairs' are aborted
+    (:func:`abort_communicators`), never destroyed, and the new world's are made at their first op."""
     if dist.is_initialized():  # the previous epoch's, or a joiner's fake world
         bury(c10d._world.pg_map.keys())
-        for group in kept:
-            group.withdraw()
-        dist.destroy_process_group()
+        if dist.get_backend() == NCCL:
+            abort_communicators()
+            c10d._abort_process_group()  # takes every group out of torch's registry, destroying none
+        else:
+            for group in kept:
+                group.withdraw()
+            dist.destroy_process_group()
     global _leaving_at_exit
     if not _leaving_at_exit:
         _leaving_at_exit = True
         atexit.register(_leave_world_at_exit)
     with lazy_connections():
         dist.init_process_group(
-            "gloo",
+            backend,
             store=store.world_rendezvous(membership.epoch),
             rank=membership.members.index(slot),
             world_size=len(membership.members),
@@ -131,6 +141,21 @@ def rebuild_world(
 
 
 _leaving_at_exit = False
+
+_nccl_pairs: list = []
+"""The NCCL pair groups made in the current world: :func:`abort_communicators` aborts them too."""
+
+
+def abort_communicators() -> float:
+    """Abort every NCCL communicator of the current world, its groups' and its pairs', without
+    waiting for any op (a failure leaves ops on a dead or stopped peer spinning on the GPU); return
+    the seconds it took. The groups stay in torch's registry until the world is left. Nothing on
+    gloo (:mod:`~ds_recycle.runtime.rank.communication`)."""
+    if not dist.is_initialized() or dist.get_backend() != NCCL:
+        return 0.0
+    seconds = communication.abort_groups([*c10d._world.pg_map.keys(), *_nccl_pairs])
+    _nccl_pairs.clear()
+    return seconds
 
 
 def _leave_world_at_exit() -> None:
@@ -142,7 +167,11 @@ def _leave_world_at_exit() -> None:
     loss and re-admission)."""
     if dist.is_initialized():
         bury(c10d._world.pg_map.keys())
-        dist.destroy_process_group()
+        if dist.get_backend() == NCCL:
+            abort_communicators()
+            c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
 
 
 PAIR_PREFIX = "pair"
@@ -165,9 +194,30 @@ class Pair:
     """One pair's two-rank group and its connection."""
 
     group: object
+    """gloo: the pair's group. NCCL: the group of the messages this worker sends to the peer."""
     iteration: int
     """The iteration at whose start (``global_steps``) this worker posted the connecting all-reduce."""
     connected: bool = False
+    inbound: object | None = None
+    """NCCL: the group of the messages this worker receives from the peer. An NCCL communicator
+    runs its ops one after another in the order posted; with one for both directions, a send
+    posted before a receive of the peer's send (a stage sending its next activation before it takes
+    the gradient of the previous one) could wait on the peer's send posted before its receive."""
+
+
+@dataclass
+class _Works:
+    """Several ops waited for as one."""
+
+    works: list
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        return True
 
 
 @dataclass
@@ -197,6 +247,8 @@ class PairLinks:
     members: tuple[int, ...] = ()
     store: object | None = None
     """This epoch's client of the job's store (the world's own); None: p2p on the world group."""
+    nccl: bool = False
+    """Whether the current world is NCCL's (two groups per pair, :attr:`Pair.inbound`)."""
     pairs: dict[int, Pair] = field(default_factory=dict)
     """By peer slot."""
 
@@ -209,15 +261,17 @@ class PairLinks:
 
     def enter(self, membership: Membership, slot: int) -> None:
         """Take the current world (``membership``'s) for this worker, forgetting the pairs that
-        cannot be kept (see the class doc)."""
-        gloo = dist.get_backend() == dist.Backend.GLOO
+        cannot be kept (see the class doc; on NCCL none is: leaving the world aborted them)."""
+        backend = dist.get_backend()
+        gloo = backend == dist.Backend.GLOO
         members = set(membership.members)
         for peer, pair in list(self.pairs.items()):
             if slot != self.slot or not gloo or peer not in members or pair.iteration >= membership.iteration:
                 del self.pairs[peer]  # buried when made
         self.slot, self.epoch, self.members = slot, membership.epoch, membership.members
         self.store = None
-        if gloo:
+        self.nccl = backend == dist.Backend.NCCL
+        if gloo or self.nccl:
             world_store = c10d._get_default_store()
             self.store = world_store.underlying_store if isinstance(world_store, dist.PrefixStore) else world_store
 
@@ -234,6 +288,9 @@ class PairLinks:
             raise RuntimeError(
                 f"slot {self.slot}: pairs with slots {cut_short} were made but not connected in this epoch"
             )
+        if self.nccl:
+            self._connect_nccl(new, waiter, iteration)
+            return
         # Every group first, then every connection: a group publishes its address on the epoch's
         # store client, which a connection's lookup of a peer's address holds until the peer
         # publishes it (a dead one: until the timeout), so a group made after a connection could
@@ -246,6 +303,38 @@ class PairLinks:
         for peer, work in works:
             waiter.collective(lambda work=work: work, f"connecting slot {self.slot} to slot {peer}")
             self.pairs[peer].connected = True
+
+    def _connect_nccl(self, new: list[int], waiter, iteration: int) -> None:
+        """NCCL makes a communicator at its first op, a rendezvous of its two ranks in C++: one
+        message each way per new pair, the pairs in one order on every rank (by their slots, as the
+        pairs of a lock order), each waited for against the failure flag."""
+        device = communication.local_device(NCCL)
+        for peer in new:
+            low = self.slot < peer
+            outbound, inbound = self._nccl_group(peer, outbound=True), self._nccl_group(peer, outbound=False)
+            self.pairs[peer] = Pair(outbound, iteration, inbound=inbound)
+            _nccl_pairs.extend([outbound, inbound])
+            bury([self.pairs[peer]])
+            other = 1 if low else 0
+            sent, received = torch.zeros(1, device=device), torch.zeros(1, device=device)
+
+            def start(outbound=outbound, inbound=inbound, sent=sent, received=received, low=low, other=other):
+                # the low slot's outbound group is the high slot's inbound one: both take it first
+                if low:
+                    return _Works([outbound.send([sent], other, 0), inbound.recv([received], other, 0)])
+                return _Works([inbound.recv([received], other, 0), outbound.send([sent], other, 0)])
+
+            waiter.collective(start, f"connecting slot {self.slot} to slot {peer}")
+            self.pairs[peer].connected = True
+
+    def _nccl_group(self, peer: int, outbound: bool):
+        """The two-rank NCCL group of the messages from one worker of the pair to the other."""
+        sender, receiver = (self.slot, peer) if outbound else (peer, self.slot)
+        low, high = sorted((self.slot, peer))
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = datetime.timedelta(seconds=PAIR_TIMEOUT_SECONDS)
+        prefix = f"{PAIR_PREFIX}/{self.index}/{self.epoch}/{low}_{high}/{sender}to{receiver}/"
+        return dist.ProcessGroupNCCL(dist.PrefixStore(prefix, self.store), 0 if self.slot == low else 1, 2, options)
 
     def _connected(self, peer: int) -> bool:
         return peer in self.pairs and self.pairs[peer].connected
@@ -264,14 +353,15 @@ class PairLinks:
         pair = self._linked(dst)
         if pair is None:
             return dist.isend(tensor, dst=dst)
-        return pair.group.send([tensor], int(self.members[dst] > self.slot), self.epoch)
+        return pair.group.send([tensor], int(self.members[dst] > self.slot), 0 if self.nccl else self.epoch)
 
     def irecv(self, tensor: torch.Tensor, src: int):
         """Receive from rank ``src`` of the current world."""
         pair = self._linked(src)
         if pair is None:
             return dist.irecv(tensor, src=src)
-        return pair.group.recv([tensor], int(self.members[src] > self.slot), self.epoch)
+        group = pair.inbound if self.nccl else pair.group
+        return group.recv([tensor], int(self.members[src] > self.slot), 0 if self.nccl else self.epoch)
 
     def _linked(self, rank: int) -> Pair | None:
         if self.store is None:
@@ -367,7 +457,13 @@ class KeptGroup:
 
 def _on_gloo_with_a_store() -> bool:
     """Whether the current world is gloo's on a store that can open another connection."""
-    if not dist.is_initialized() or dist.get_backend() != dist.Backend.GLOO:
+    return _on_a_store() and dist.get_backend() == dist.Backend.GLOO
+
+
+def _on_a_store() -> bool:
+    """Whether the current world is gloo's or NCCL's on a store that can open another connection
+    (not a joiner's placeholder world)."""
+    if not dist.is_initialized() or dist.get_backend() not in (dist.Backend.GLOO, dist.Backend.NCCL):
         return False
     store = c10d._get_default_store()
     return isinstance(store, dist.PrefixStore) and hasattr(store.underlying_store, "clone")
@@ -423,7 +519,7 @@ class RecycleGrid:
             if self.slot in slots:
                 self.made_in[role] = self.membership.epoch
             ranks = [self.rank_of(w) for w in workers]
-            if not _on_gloo_with_a_store():  # a joiner's placeholder world: nothing to keep
+            if not _on_a_store():  # a joiner's placeholder world: nothing to keep
                 return new_group(ranks, self.timeout)
             return self._keepable_group(role, ranks)
         if self.slot not in slots:
@@ -455,7 +551,7 @@ class RecycleGrid:
                 len(ranks),
                 ranks.index(world_rank),
                 ranks,
-                dist.Backend.GLOO,
+                dist.get_backend(),
                 store,
                 name,
                 timeout=datetime.timedelta(seconds=self.timeout),

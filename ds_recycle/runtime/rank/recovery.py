@@ -34,8 +34,14 @@ import torch
 
 from ds_recycle.errors import EpochSuperseded, PeerFailure, StageLostError
 from ds_recycle.log import logger
-from ds_recycle.runtime.rank import checkpoints, exit_guard, rebalance, rejoin, reporting
-from ds_recycle.runtime.rank.groups import GROUP_TIMEOUT_SECONDS, RecycleGrid, group_roles, rebuild_world
+from ds_recycle.runtime.rank import checkpoints, communication, exit_guard, rebalance, rejoin, reporting
+from ds_recycle.runtime.rank.groups import (
+    GROUP_TIMEOUT_SECONDS,
+    RecycleGrid,
+    abort_communicators,
+    group_roles,
+    rebuild_world,
+)
 from ds_recycle.runtime.rank.membership import MembershipAgent
 from ds_recycle.runtime.rank.phases import Phase, PhaseTracker
 from ds_recycle.runtime.rank.waiting import FailureWatcher
@@ -334,7 +340,9 @@ class RankRuntime:
         self._enter_phase(Phase.BUILDING)
         engine = self.engine
         kept = engine.grid.keep(decision, engine.slot)
-        rebuild_world(self.agent.store, membership, engine.slot, GROUP_TIMEOUT_SECONDS, kept.values())
+        rebuild_world(
+            self.agent.store, membership, engine.slot, GROUP_TIMEOUT_SECONDS, kept.values(), communication.job_backend()
+        )
         grid = RecycleGrid.build(
             engine.topology,
             membership,
@@ -366,6 +374,9 @@ class RankRuntime:
         engine = self.engine
         detected = self.watcher.raised_at or time.time()
         logger.info(f"ReCycle: slot {engine.slot} stopped by a failure at iteration {engine.global_steps}: {failure}")
+        aborted = abort_communicators()  # NCCL: ops on the dead peer spin on the GPU until then
+        if aborted:
+            logger.info(f"ReCycle: slot {engine.slot} aborted its NCCL communicators in {aborted * 1e3:.1f} ms")
         # A round whose epoch is not entered to the end is reported with the round that is: one line
         # from the epoch this recovery started in, with every change decided on the way.
         reported_from = reporting.Before.of(engine)

@@ -56,13 +56,15 @@ def _copy(engine, group, src_rank: int, sending: bool) -> None:
     dist.broadcast_object_list(header, src=src_rank, group=group)
     header = header[0]
 
+    # NCCL carries CUDA tensors only: a CPU tensor (Adam's step count) travels through a CUDA copy
+    device = engine.device if dist.get_backend(group) == dist.Backend.NCCL else torch.device("cpu")
     with torch.no_grad():
         for tensor in engine.module.state_dict(keep_vars=True).values():
-            dist.broadcast(tensor.data, src=src_rank, group=group)
+            _broadcast(tensor.data, src_rank, group, device)
 
     optimizer_state = optimizer.state_dict() if sending else _allocate(header["optimizer"])
     for tensor in _tensors(optimizer_state):
-        dist.broadcast(tensor, src=src_rank, group=group)
+        _broadcast(tensor, src_rank, group, device)
     if not sending:
         optimizer.load_state_dict(optimizer_state)
         engine.received_client_state = header["client"]
@@ -70,6 +72,15 @@ def _copy(engine, group, src_rank: int, sending: bool) -> None:
             engine.lr_scheduler.load_state_dict(header["lr_scheduler"])
         for name, value in header["counters"].items():
             setattr(engine, name, value)
+
+
+def _broadcast(tensor: torch.Tensor, src_rank: int, group, device: torch.device) -> None:
+    if tensor.device == device:
+        dist.broadcast(tensor, src=src_rank, group=group)
+        return
+    carried = tensor.to(device)
+    dist.broadcast(carried, src=src_rank, group=group)
+    tensor.copy_(carried)
 
 
 def _skeleton(value):

@@ -16,6 +16,13 @@ and ranks that are not talking to the dead peer never notice it (docs/design.md 
 - a blocking call that ReCycle does not own (DeepSpeed's ``save_checkpoint``, whose barriers and
   tag all-reduce are synchronous) runs in a thread of its own while the caller polls, and is
   abandoned the same way.
+
+On NCCL the same holds with two differences (:mod:`~ds_recycle.runtime.rank.communication`):
+starting an op can block too (a communicator is made at its first op, a rendezvous of its members
+in C++), so every op, collective or p2p, is started and polled (``work.is_completed()``, a CUDA
+event query) in the helper thread, and ``work.wait()`` (which only orders the caller's stream after
+the op) follows its completion; after a failure the helper is abandoned as on gloo, and the
+recovery aborts the communicators, which ends whatever of it the GPU still runs.
 """
 
 from __future__ import annotations
@@ -26,6 +33,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
 
 from ds_recycle.errors import PeerFailure
 from ds_recycle.runtime.rank import exit_guard
@@ -133,11 +143,12 @@ class FailureWatcher:
 
 
 class Waiter:
-    """Waits on gloo work handles, giving up with :class:`PeerFailure` when a failure is flagged."""
+    """Waits on work handles, giving up with :class:`PeerFailure` when a failure is flagged."""
 
     def __init__(self, failed: threading.Event | None = None):
         self.failed = failed or threading.Event()
         self._requests: queue.Queue | None = None
+        self._nccl_requests: queue.Queue | None = None
 
     def check(self, what: str) -> None:
         if self.failed.is_set():
@@ -146,6 +157,8 @@ class Waiter:
     def collective(self, start, what: str):
         """``start()`` returns an async work handle; wait for it."""
         self.check(what)
+        if _on_nccl():
+            return self._on_nccl_helper(start, what)
         try:
             work = start()
             spins, bound = 0, time.monotonic() + WAIT_BOUND_SECONDS
@@ -165,6 +178,8 @@ class Waiter:
     def p2p(self, start, what: str) -> None:
         """``start()`` returns an isend/irecv work handle; its ``wait()`` runs in a helper thread."""
         self.check(what)
+        if _on_nccl():
+            return self._on_nccl_helper(start, what)
         try:
             work = start()
         except RuntimeError as error:
@@ -191,8 +206,11 @@ class Waiter:
         failure; any other error is raised as it is."""
         self.check(what)
         outcome: list = []
+        device = _cuda_device()
 
         def target() -> None:
+            if device is not None:
+                torch.cuda.set_device(device)  # the current device is the thread's own
             try:
                 outcome.append((True, call()))
             except BaseException as error:  # reported to the waiting caller
@@ -214,6 +232,31 @@ class Waiter:
             raise PeerFailure(f"{what}: {value}") from value
         raise value
 
+    def _on_nccl_helper(self, start, what: str) -> None:
+        """Start the op and poll it to completion in the NCCL helper thread (module doc)."""
+        if self._nccl_requests is None:
+            requests: queue.Queue = queue.Queue()
+            self._nccl_thread = threading.Thread(
+                target=_serve_nccl, args=(requests, _cuda_device()), name="recycle-nccl-wait", daemon=True
+            )
+            self._nccl_thread.start()
+            self._nccl_requests = requests
+        done, cancel, outcome = threading.Event(), threading.Event(), []
+        self._nccl_requests.put((start, done, cancel, outcome))
+        spins, bound = 0, time.monotonic() + WAIT_BOUND_SECONDS
+        while not done.is_set():
+            if self.failed.is_set() or time.monotonic() > bound:
+                cancel.set()
+                exit_guard.abandoned(self._nccl_thread)  # it may be inside a communicator's making
+                self._nccl_requests = None
+                if self.failed.is_set():
+                    raise PeerFailure(f"a failure was announced during {what}")
+                raise _unbounded(what)
+            spins += 1
+            done.wait(SPIN_SECONDS if spins < 200 else POLL_SECONDS)
+        if outcome and outcome[0] is not None:
+            raise PeerFailure(f"{what}: {outcome[0]}") from outcome[0]
+
     def _helper(self) -> queue.Queue:
         if self._requests is None:
             requests: queue.Queue = queue.Queue()
@@ -231,6 +274,35 @@ def _serve(requests: queue.Queue) -> None:
     while True:
         work, done, outcome = requests.get()
         try:
+            work.wait()
+            outcome.append(None)
+        except Exception as error:  # reported to the waiting caller
+            outcome.append(error)
+        done.set()
+
+
+def _on_nccl() -> bool:
+    return dist.is_initialized() and dist.get_backend() == dist.Backend.NCCL
+
+
+def _cuda_device() -> int | None:
+    """The calling thread's CUDA device, where CUDA is in use."""
+    return torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+
+def _serve_nccl(requests: queue.Queue, device: int | None) -> None:
+    if device is not None:
+        torch.cuda.set_device(device)
+    while True:
+        start, done, cancel, outcome = requests.get()
+        try:
+            work = start()
+            spins = 0
+            while not work.is_completed():
+                if cancel.is_set():  # abandoned: its communicator is aborted by the recovery
+                    return
+                spins += 1
+                time.sleep(SPIN_SECONDS if spins < 200 else POLL_SECONDS)
             work.wait()
             outcome.append(None)
         except Exception as error:  # reported to the waiting caller

@@ -103,6 +103,8 @@ ENV_ALLOW_UNSAFE_PLACEMENT = "DS_RECYCLE_ALLOW_UNSAFE_PLACEMENT"
 replica of a stage (its loss then stops the job or restarts it from a checkpoint)."""
 ENV_GENERATION = "DS_RECYCLE_GENERATION"
 """0 at first, +1 at every restart of the whole job from a checkpoint; the key prefix."""
+ENV_BACKEND = "DS_RECYCLE_BACKEND"
+"""``gloo`` or ``nccl`` (set by ``ds-recycle launch --backend``): the backend of the job's worlds."""
 ENV_RESUME = "DS_RECYCLE_RESUME"
 """``required`` when the agents restart every rank after the coordinator's host died: a rank that
 finds no checkpoint to resume from exits 76 with a message instead of training from scratch."""
