@@ -2,6 +2,7 @@
 # ReCycle on GPUs (issue 40): every check of the NCCL failure path, one line each, in at most 8 minutes
 # on one GPU.
 #   bash scripts/gpu_check.sh            on a machine with a CUDA device and torch (2.11 or later)
+#   bash scripts/gpu_check.sh NAME...    only these checks (nccl_abort, parity, failures)
 # It installs what the machine lacks from the wheels in .whl/ (DeepSpeed, pydantic, hjson, ...; built
 # on another machine: `pip wheel --no-deps deepspeed==0.19.8` and `pip download` of the others) into
 # a folder of its own, never into the machine's Python. Logs go to $GPU_CHECK_LOGS (default: $OUT
@@ -72,7 +73,11 @@ check() {
 
 # the rank logs of the jobs stay under $LOGS/pytest (a failed check's tail is printed above)
 pytest=("$PYTHON" -m pytest -q -s -rs -p no:cacheprovider --timeout 240 --basetemp "$LOGS/pytest")
-check nccl_abort 130 "$PYTHON" -m ds_recycle.testing.nccl_abort --budget 110 --json "$LOGS/nccl_abort.json"
-check parity 120 "${pytest[@]}" tests/engine/test_gpu_parity.py
-check failures 240 "${pytest[@]}" tests/runtime/test_gpu_failures.py
+selected=" $* "
+run_check() {  # run_check NAME BOUND COMMAND...: when NAME was asked for (or nothing was)
+  if [ "$selected" = "  " ] || [[ "$selected" == *" $1 "* ]]; then check "$@"; fi
+}
+run_check nccl_abort 130 "$PYTHON" -m ds_recycle.testing.nccl_abort --budget 110 --json "$LOGS/nccl_abort.json"
+run_check parity 120 "${pytest[@]}" tests/engine/test_gpu_parity.py
+run_check failures 240 "${pytest[@]}" tests/runtime/test_gpu_failures.py
 exit $status

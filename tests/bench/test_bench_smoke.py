@@ -27,6 +27,7 @@ SMOKE = {
     "measured_costs.py": ["--smoke"],
     "control_plane.py": ["--smoke"],
     "ettr.py": ["--smoke"],
+    "gpu_costs.py": ["--smoke"],
 }
 MULTIPROCESS = {
     "engine_vs_stock.py",
