@@ -71,13 +71,13 @@ check() {
   fi
 }
 
-# the rank logs of the jobs stay under $LOGS/pytest (a failed check's tail is printed above)
-pytest=("$PYTHON" -m pytest -q -s -rs -p no:cacheprovider --timeout 240 --basetemp "$LOGS/pytest")
+# the rank logs of each check's jobs stay under $LOGS/pytest_NAME (a failed check's tail is printed above)
+pytest=("$PYTHON" -m pytest -q -s -rs -p no:cacheprovider --timeout 240)
 selected=" $* "
 run_check() {  # run_check NAME BOUND COMMAND...: when NAME was asked for (or nothing was)
   if [ "$selected" = "  " ] || [[ "$selected" == *" $1 "* ]]; then check "$@"; fi
 }
 run_check nccl_abort 130 "$PYTHON" -m ds_recycle.testing.nccl_abort --budget 110 --json "$LOGS/nccl_abort.json"
-run_check parity 120 "${pytest[@]}" tests/engine/test_gpu_parity.py
-run_check failures 240 "${pytest[@]}" tests/runtime/test_gpu_failures.py
+run_check parity 120 "${pytest[@]}" --basetemp "$LOGS/pytest_parity" tests/engine/test_gpu_parity.py
+run_check failures 240 "${pytest[@]}" --basetemp "$LOGS/pytest_failures" tests/runtime/test_gpu_failures.py
 exit $status

@@ -343,7 +343,8 @@ def _run_scenario(
                 values = _wait_for(store, {r: f"comms/{r}" for r in survivors}, procs, deadline, "its new worlds")
                 result.comms = [values[r] for r in survivors]
             except ScenarioError as error:
-                result.comms_error = str(error)
+                reported = [store.get(f"comms/{r}").decode() for r in survivors if store.check([f"comms/{r}"])]
+                result.comms_error = f"{error}; reported: {'; '.join(reported) or 'nothing'}"
     except Exception as error:
         result.error = f"{type(error).__name__}: {error}" if not isinstance(error, ScenarioError) else str(error)
     finally:
@@ -767,9 +768,9 @@ def _failure_rank(ctx: RankContext, scenario: Scenario) -> None:
             costs = {"error": f"not tried: the stream is not clear ({stream})"}
         else:
             costs = _survivor_comms(ctx)
+        ctx.report.set(f"comms/{ctx.rank}", json.dumps({"rank": ctx.rank, **costs}))
         if "error" in costs or any("error" in c for c in costs.values() if isinstance(c, dict)):
             _abandon(ctx, "its new worlds failed")
-        ctx.report.set(f"comms/{ctx.rank}", json.dumps({"rank": ctx.rank, **costs}))
 
 
 def _all_reduce_on(ctx: RankContext, group, size: int) -> None:

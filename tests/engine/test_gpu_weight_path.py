@@ -124,7 +124,7 @@ def test_held_memory_is_counted_and_allocated():
     held = measure_held_bytes(module, x0, path)  # also the warm-up: cuBLAS workspaces are allocated here
     expected = LAYERS * BATCH * SEQ * HELD_VALUES_PER_TOKEN * D * 4
     assert held.between_b_and_w == expected, (held, expected)
-    assert held.after_w == 0 and 0 < held.between_b_and_w < held.after_forward
+    assert held.after_w == 0 and 0 < held.between_b_and_w  # against after_forward: bench/backward_split.py
 
     params = list(module.parameters())
     for p in params:  # as the engine holds them: allocated once, accumulated in place

@@ -268,6 +268,8 @@ class Launcher:
         self._by_slot = {s.slot: s for s in self.slots}
         self.world_size = config.nnodes * config.nproc
         self.generation = 0
+        self._gpus: int | None = None
+        """The host's CUDA devices (asked once, with NCCL)."""
         self.token = config.token or secrets.token_hex(16)
         self.fenced: str | None = None
         """Why this node fenced itself (it could not renew its lease), or None."""
@@ -435,6 +437,18 @@ class Launcher:
         env.pop("LOCAL_SIZE", None)  # would turn on DeepSpeed's shm all-reduce (66 MB a rank, leaked on SIGKILL)
         return env
 
+    def _device_index(self, local_rank: int) -> int:
+        """The rank's ``LOCAL_RANK``: its local rank, or, with NCCL on a host of fewer GPUs than
+        ranks (tests on one GPU), the GPU it shares (local rank mod GPUs), since DeepSpeed places
+        a rank's modules on ``cuda:LOCAL_RANK``."""
+        if self.config.backend != "nccl":
+            return local_rank
+        if self._gpus is None:
+            import torch
+
+            self._gpus = torch.cuda.device_count()
+        return local_rank % self._gpus if 0 < self._gpus < self.config.nproc else local_rank
+
     def _spawn(self, s: _Slot) -> None:
         config = self.config
         host, port = self.address
@@ -442,7 +456,7 @@ class Launcher:
         env.update(
             {
                 "RANK": str(s.slot),
-                "LOCAL_RANK": str(s.local_rank),
+                "LOCAL_RANK": str(self._device_index(s.local_rank)),
                 "GROUP_RANK": str(config.node_rank),
                 "NODE_RANK": str(config.node_rank),
                 "WORLD_SIZE": str(self.world_size),

@@ -93,7 +93,7 @@ def prepare_nccl(environ=os.environ) -> dict[str, str]:
     wanted = dict(NCCL_FAILURE_ENV)
     if shares_gpu(environ):
         wanted.update(SHARED_GPU_ENV)
-        wanted["NCCL_HOSTID"] = f"{socket.gethostname()}-rank{environ.get('LOCAL_RANK', '0')}"
+        wanted["NCCL_HOSTID"] = f"{socket.gethostname()}-rank{environ.get('RANK', '0')}"
     chosen = {}
     for name, value in wanted.items():
         environ.setdefault(name, value)

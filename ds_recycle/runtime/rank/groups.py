@@ -502,6 +502,8 @@ class RecycleGrid:
         (None: all); every other role's group is kept by its members (``kept``, from
         :meth:`keep`); the new groups are made by their members alone."""
         grid = cls(topo, membership, slot, timeout)
+        if _on_a_store() and not _on_gloo_with_a_store():
+            remade = None  # NCCL keeps no group (leaving a world aborted them all): every role's is new
         for stage in range(grid.pipe_parallel_size):
             workers = grid.live_workers(stage)
             grid.stage_groups[stage] = grid._group(stage_role(stage), workers, kept or {}, remade)
@@ -576,8 +578,9 @@ class RecycleGrid:
     def group_states(self) -> dict[str, GroupState]:
         """By role, each of this worker's groups: the epoch it was made in and the collectives
         posted on it so far (the survivors of a failure keep a group only where these agree)."""
+        gloo = _on_gloo_with_a_store()  # only gloo's are kept, and only where these agree
         return {
-            role: (self.made_in[role], group._get_sequence_number_for_group())
+            role: (self.made_in[role], group._get_sequence_number_for_group() if gloo else 0)
             for role, (group, _) in self._own_groups().items()
         }
 
