@@ -44,7 +44,8 @@ import contextlib
 import ctypes
 import datetime
 import os
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -52,7 +53,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ds_recycle.planner.plan import Worker
-from ds_recycle.runtime.rank import communication
+from ds_recycle.runtime.rank import communication, exit_guard
 from ds_recycle.runtime.rank.communication import GLOO, NCCL
 from ds_recycle.runtime.rank.waiting import WAIT_BOUND_SECONDS
 from ds_recycle.runtime.shared.job_store import JobStore
@@ -116,12 +117,13 @@ def rebuild_world(
     protocol too.
 
     On NCCL (``backend``) nothing is kept: the world's communicators and its pairs' are aborted
-    (:func:`abort_communicators`), never destroyed, and the new world's are made at their first op."""
+    (:func:`abort_communicators`), never destroyed or waited for, and the new world's are made at
+    their first op."""
     if dist.is_initialized():  # the previous epoch's, or a joiner's fake world
         bury(c10d._world.pg_map.keys())
         if dist.get_backend() == NCCL:
             abort_communicators()
-            c10d._abort_process_group()  # takes every group out of torch's registry, destroying none
+            forget_world()
         else:
             for group in kept:
                 group.withdraw()
@@ -145,17 +147,56 @@ _leaving_at_exit = False
 _nccl_pairs: list = []
 """The NCCL pair groups made in the current world: :func:`abort_communicators` aborts them too."""
 
+_aborted: set[int] = set()
+"""The ids of the groups whose abort was started (each is aborted once, and buried)."""
 
-def abort_communicators() -> float:
-    """Abort every NCCL communicator of the current world, its groups' and its pairs', without
-    waiting for any op (a failure leaves ops on a dead or stopped peer spinning on the GPU); return
-    the seconds it took. The groups stay in torch's registry until the world is left. Nothing on
-    gloo (:mod:`~ds_recycle.runtime.rank.communication`)."""
+
+def abort_communicators(on_done: Callable[[float], None] | None = None) -> bool:
+    """Start aborting every NCCL communicator of the current world, its groups' and its pairs', in
+    a thread of its own, and return at once (True when there was any to abort). A failure leaves
+    ops on a dead or stopped peer spinning on the GPU until their communicator is aborted; the
+    abort itself was seen to take 0.3 to 3 s over sockets, and once over 120 s on a GPU (torch's
+    own wait for it timed out), so nothing waits for it: the groups are buried, and the next
+    world's communicators are new ones. ``on_done(seconds)`` is called in that thread when the abort
+    returns. Nothing on gloo (:mod:`~ds_recycle.runtime.rank.communication`)."""
     if not dist.is_initialized() or dist.get_backend() != NCCL:
-        return 0.0
-    seconds = communication.abort_groups([*c10d._world.pg_map.keys(), *_nccl_pairs])
+        return False
+    groups = [g for g in [*c10d._world.pg_map.keys(), *_nccl_pairs] if id(g) not in _aborted]
     _nccl_pairs.clear()
-    return seconds
+    if not groups:
+        return False
+    bury(groups)
+    _aborted.update(id(g) for g in groups)
+
+    def abort() -> None:
+        seconds = communication.abort_groups(groups)
+        if on_done is not None:
+            on_done(seconds)
+
+    thread = threading.Thread(target=abort, name="recycle-nccl-abort", daemon=True)
+    thread.start()
+    exit_guard.abandoned(thread)  # an exit while it is still inside NCCL skips C++ teardown
+    return True
+
+
+def forget_world() -> None:
+    """Take every group of the current world out of torch's registry, destroying and aborting none
+    (on NCCL, :func:`abort_communicators` did that): as torch's ``_abort_process_group`` does after
+    its abort, which waits for the abort."""
+    world = c10d._world
+    c10d._update_default_pg(None)
+    for table in (
+        world.pg_map,
+        world.pg_names,
+        world.pg_group_ranks,
+        world.pg_backend_config,
+        world.pg_to_tag,
+        world.tags_to_pg,
+        world.pg_coalesce_state,
+    ):
+        table.clear()
+    c10d._unregister_all_process_groups()
+    world.group_count = 0
 
 
 def _leave_world_at_exit() -> None:
@@ -169,7 +210,7 @@ def _leave_world_at_exit() -> None:
         bury(c10d._world.pg_map.keys())
         if dist.get_backend() == NCCL:
             abort_communicators()
-            c10d._abort_process_group()
+            forget_world()
         else:
             dist.destroy_process_group()
 

@@ -374,9 +374,11 @@ class RankRuntime:
         engine = self.engine
         detected = self.watcher.raised_at or time.time()
         logger.info(f"ReCycle: slot {engine.slot} stopped by a failure at iteration {engine.global_steps}: {failure}")
-        aborted = abort_communicators()  # NCCL: ops on the dead peer spin on the GPU until then
-        if aborted:
-            logger.info(f"ReCycle: slot {engine.slot} aborted its NCCL communicators in {aborted * 1e3:.1f} ms")
+        abort_communicators(  # NCCL: ops on the dead peer spin on the GPU until then
+            lambda seconds: logger.info(
+                f"ReCycle: slot {engine.slot} aborted its NCCL communicators in {seconds * 1e3:.1f} ms"
+            )
+        )
         # A round whose epoch is not entered to the end is reported with the round that is: one line
         # from the epoch this recovery started in, with every change decided on the way.
         reported_from = reporting.Before.of(engine)
