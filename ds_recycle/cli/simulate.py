@@ -6,6 +6,7 @@
     ds-recycle simulate trace   --trace NAME|FILE --model M --stages P --microbatches m
     ds-recycle simulate poisson --model M --gpus N --stages P --rate R --hours H [--repair-hours T]
     ds-recycle simulate ettr    --model M --stages P [--preset meta|llama3|both] [--scales 1024,...] [--plot OUT.png]
+                                [--failures causes|single] [--recycle-costs measured|paper]
 
 The mode is a positional argument (it may stand anywhere); an option of another mode is refused.
 Every argument is checked before the study runs; a bad one exits 2 with one line naming it and the
@@ -28,6 +29,8 @@ ETTR_PRESETS = ("meta", "llama3", "both")
 ETTR_SCALES = (1024, 16384, 131072)
 ETTR_HOURS = 168.0
 ETTR_SPARES = 0.01
+ETTR_FAILURES = ("causes", "single")
+RECYCLE_COSTS = ("measured", "paper")
 """sim/ettr.py DEFAULT_SPARE_FRACTION (not imported: the CLI imports no study module up front)."""
 PLACEMENT_NAMES = ("spread", "stage", "pipeline")
 PRESET_NAMES = ("350M", "1.3B", "2.7B", "6.7B", "13B", "39B", "175B")
@@ -64,6 +67,8 @@ MODE_OPTIONS: dict[str, tuple[str, ...]] = {
     "preset": ("ettr",),
     "scales": ("ettr",),
     "plot": ("ettr",),
+    "failures": ("ettr",),
+    "recycle_costs": ("ettr",),
 }
 REQUIRED: dict[str, tuple[str, ...]] = {
     "sweep": ("pipelines", "microbatches"),
@@ -200,6 +205,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"ettr: GPU counts, a comma list of {','.join(map(str, ETTR_SCALES))} (all)",
     )
     parser.add_argument("--plot", metavar="OUT.png", help="ettr: write ETTR against GPUs as PNG (needs matplotlib)")
+    parser.add_argument(
+        "--failures",
+        choices=ETTR_FAILURES,
+        default="causes",
+        help="ettr: causes: the Llama 3 mix, host/network failures take a node, lognormal repairs (default); "
+        "single: one worker per failure, constant --repair-hours",
+    )
+    parser.add_argument(
+        "--recycle-costs",
+        choices=RECYCLE_COSTS,
+        default="measured",
+        help="ettr: ReCycle's detection and rebuild, measured (1 s + 3 s, default) or paper (5 s + 10 s); "
+        "--recycle-detect/--recycle-rebuild override",
+    )
     parser.add_argument("--json", metavar="OUT", help="write the study as JSON")
     parser.add_argument("--png", metavar="OUT.png", help="write a plot as PNG (needs matplotlib)")
 
@@ -265,9 +284,23 @@ def _run_ettr(args: argparse.Namespace) -> int:
 
 
 def _ettr_table(args: argparse.Namespace):
+    import dataclasses
+
+    from ds_recycle.sim.causes import FailureModel
     from ds_recycle.sim.ettr import RATE_PRESETS, ettr_study, failures_per_hour
+    from ds_recycle.sim.presets import RECYCLE_COSTS as COSTS
 
     model, P, checkpointing, params = _common(args)
+    given = given_options(args)
+    costs = COSTS[args.recycle_costs]
+    recycle = dataclasses.replace(
+        params.recycle,
+        detect_s=args.recycle_detect if "recycle_detect" in given else costs.detect_s,
+        rebuild_s=args.recycle_rebuild if "recycle_rebuild" in given else costs.rebuild_s,
+    )
+    params = dataclasses.replace(params, recycle=recycle)
+    if args.failures == "causes" and "repair_hours" in given:
+        raise UsageError("--repair-hours applies to --failures single only: --failures causes draws repair times")
     presets = RATE_PRESETS if args.preset == "both" else (args.preset,)
     hours = args.hours if args.hours is not None else ETTR_HOURS
     for gpus in args.scales:
@@ -296,6 +329,7 @@ def _ettr_table(args: argparse.Namespace):
             params,
             checkpointing,
             tuple(range(args.seeds)),
+            FailureModel() if args.failures == "causes" else None,
         )
     except ValueError as exc:
         raise UsageError(f"--model/--stages/--microbatches: {exc}") from None

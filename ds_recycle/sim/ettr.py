@@ -13,17 +13,23 @@ Failure-rate presets (per GPU, every worker of ``tp`` GPUs failing at ``tp`` tim
   for a 1,024-GPU job, 1.8 h at 16,384 GPUs, about 14 minutes at 131,072 GPUs (their projection);
 - ``llama3``: Llama 3 405B training, 419 unexpected interruptions in 54 days on 16,384 H100s
   (4.7e-4 per GPU-day, ``sim/job.py``).
+
+Failures come by cause by default (``sim/causes.py``: the Llama 3 mix, a host or network failure
+taking a node's 8 GPUs, lognormal repair times); ``failure_model=None`` is the single-cause model
+(one worker per failure, a constant ``repair_hours``). ReCycle's recovery costs are the measured ones
+(``presets.RECYCLE_COSTS``) unless ``params`` says otherwise (:func:`with_recycle_costs`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from ds_recycle.sim.causes import FailureModel
 from ds_recycle.sim.experiments import ALL_SYSTEMS, SystemParams, poisson
 from ds_recycle.sim.job import LLAMA3_RATE_PER_GPU_DAY, Checkpointing, Job
-from ds_recycle.sim.presets import ModelSpec
+from ds_recycle.sim.presets import RECYCLE_COSTS, ModelSpec
 
 SCALES = (1024, 16384, 131072)
 """GPUs of the ETTR table (issue 44)."""
@@ -33,6 +39,14 @@ RATE_PRESETS = ("meta", "llama3")
 DEFAULT_SPARE_FRACTION = 0.01
 """Hot spare workers, as a fraction of the job's, given to every system alike [A]: replica and job
 restart (torchft, FlashRecovery) restart on a replacement node, which a cluster keeps at hand."""
+
+
+def with_recycle_costs(params: SystemParams, costs: str = "measured") -> SystemParams:
+    """``params`` with ReCycle's detection and rebuild from ``presets.RECYCLE_COSTS[costs]``."""
+    if costs not in RECYCLE_COSTS:
+        raise ValueError(f"unknown ReCycle costs {costs!r}: one of {', '.join(RECYCLE_COSTS)}")
+    preset = RECYCLE_COSTS[costs]
+    return replace(params, recycle=replace(params.recycle, detect_s=preset.detect_s, rebuild_s=preset.rebuild_s))
 
 
 def failures_per_hour(preset: str, gpus: int) -> float:
@@ -62,6 +76,8 @@ class EttrRow:
     failures_per_hour: float
     failures: int
     """Failures drawn (every seed together)."""
+    workers_removed: int
+    """Workers those failures took (more than ``failures`` where a node holds several)."""
     checkpoint_efficiency: float
     """``1 - C / tau``: what every system keeps after its checkpoints (not counted in the ETTR)."""
     ettr: dict[str, float]
@@ -96,8 +112,10 @@ def ettr_study(
     params: SystemParams = SystemParams(),
     checkpointing: Checkpointing = Checkpointing(),
     seeds: Sequence[int] = (0,),
+    failure_model: FailureModel | None = FailureModel(),
 ) -> EttrTable:
-    """One Poisson study per (preset, scale); ``D = GPUs / tp / stages`` pipelines of ``stages``."""
+    """One Poisson study per (preset, scale); ``D = GPUs / tp / stages`` pipelines of ``stages``.
+    ``repair_hours`` applies to the single-cause model (``failure_model=None``) only."""
     m = microbatches if microbatches is not None else 2 * stages
     rows = []
     for preset in presets:
@@ -109,7 +127,7 @@ def ettr_study(
             rate = failures_per_hour(preset, used)
             job = Job(model, D, stages, m, checkpointing=checkpointing, failures_per_hour=rate)
             multiple = rate * 24 / used / LLAMA3_RATE_PER_GPU_DAY
-            study = poisson(job, multiple, hours, repair_hours, spare_fraction, systems, params, seeds)
+            study = poisson(job, multiple, hours, repair_hours, spare_fraction, systems, params, seeds, failure_model)
             ettr = {name: study.ettr(name) or 0.0 for name in systems}
             rows.append(
                 EttrRow(
@@ -117,6 +135,7 @@ def ettr_study(
                     used,
                     rate,
                     sum(entry["failures"] for entry in study.series),
+                    sum(entry.get("workers_removed", entry["failures"]) for entry in study.series),
                     job.checkpoint_efficiency,
                     ettr,
                     {name: study.samples_per_s(name) for name in systems},
@@ -128,7 +147,10 @@ def ettr_study(
         "stages": stages,
         "microbatches": m,
         "hours": hours,
-        "repair_hours": repair_hours,
+        "failure_model": "causes" if failure_model is not None else "single",
+        "repair_hours": repair_hours if failure_model is None else failure_model.repair_mean_hours,
+        "recycle_detect_s": params.recycle.detect_s,
+        "recycle_rebuild_s": params.recycle.rebuild_s,
         "spare_fraction": spare_fraction,
         "seeds": list(seeds),
     }
@@ -138,19 +160,30 @@ def ettr_study(
 def text_table(table: EttrTable) -> str:
     cfg = table.config
     names = table.systems()
+    if cfg["failure_model"] == "causes":
+        repair = "Llama 3 causes, node-wide host/network failures, lognormal repair (mean h " + ", ".join(
+            f"{k} {v:g}" for k, v in cfg["repair_hours"].items()
+        )
+        repair += ")"
+    else:
+        repair = f"single-GPU failures, repair {cfg['repair_hours']:g} h"
     lines = [
         f"ETTR: {cfg['model']} tp={cfg['tp']} P={cfg['stages']} m={cfg['microbatches']}, {cfg['hours']:g} h, "
-        f"repair {cfg['repair_hours']:g} h, spares {cfg['spare_fraction']:g}, seeds {len(cfg['seeds'])}",
+        f"{repair}, spares {cfg['spare_fraction']:g}, seeds {len(cfg['seeds'])}, ReCycle detect "
+        f"{cfg['recycle_detect_s']:g} s + rebuild {cfg['recycle_rebuild_s']:g} s",
         "(useful work / the same system's fault-free work in the same wall time; ckpt = 1 - C/tau, paid by every "
         "system and not counted)",
     ]
-    header = f"{'rate':<7}{'GPUs':>7}{'MTTF h':>8}{'fails':>6}{'ckpt':>7}  " + "  ".join(f"{n:>15}" for n in names)
+    header = f"{'rate':<7}{'GPUs':>7}{'MTTF h':>8}{'fails':>6}{'gone':>6}{'ckpt':>7}  " + "  ".join(
+        f"{n:>15}" for n in names
+    )
     lines.append(header)
     for row in table.rows:
         mttf = 1 / row.failures_per_hour if row.failures_per_hour > 0 else math.inf
         cells = "  ".join(f"{row.ettr[n]:15.4f}" for n in names)
         lines.append(
-            f"{row.preset:<7}{row.gpus:>7}{mttf:8.2f}{row.failures:>6}{row.checkpoint_efficiency:7.3f}  {cells}"
+            f"{row.preset:<7}{row.gpus:>7}{mttf:8.2f}{row.failures:>6}{row.workers_removed:>6}"
+            f"{row.checkpoint_efficiency:7.3f}  {cells}"
         )
     return "\n".join(lines)
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from ds_recycle.planner.cache import PlanCache
 from ds_recycle.planner.plan import Worker
 from ds_recycle.sim.bamboo import Bamboo, BambooParams
+from ds_recycle.sim.causes import FailureModel, cause_events
 from ds_recycle.sim.checkpoint import CheckpointParams, CheckpointRestart
 from ds_recycle.sim.job import LLAMA3_RATE_PER_GPU_DAY, Job
 from ds_recycle.sim.job_restart import JobRestart, JobRestartParams
@@ -340,8 +341,11 @@ def poisson(
     systems: Sequence[str] = SYSTEMS,
     params: SystemParams = SystemParams(),
     seeds: Sequence[int] = (0,),
+    failure_model: FailureModel | None = None,
 ) -> Study:
-    """``job.failures_per_hour`` should be the job's rate (for Young's interval)."""
+    """``job.failures_per_hour`` should be the job's rate (for Young's interval). With
+    ``failure_model`` failures come by cause (``sim/causes.py``: node-wide ones, drawn repair times)
+    and ``repair_hours`` is not used; without it every failure takes one worker for ``repair_hours``."""
     per_worker = rate_multiple * LLAMA3_RATE_PER_GPU_DAY * job.model.tp / 24.0
     spares = int(round(spare_fraction * job.workers))
     cache = PlanCache()
@@ -349,10 +353,20 @@ def poisson(
     series = []
     fault_free: dict[str, float] = {}
     for seed in seeds:
-        initial, events = poisson_events(job.workers, spares, per_worker, hours, repair_hours, seed)
+        entry: dict = {"seed": seed, "systems": {}}
+        if failure_model is None:
+            initial, events = poisson_events(job.workers, spares, per_worker, hours, repair_hours, seed)
+            entry["failures"] = sum(1 for e in events if e.kind == "remove")
+        else:
+            drawn = cause_events(
+                job.workers, spares, job.model.tp, per_worker / job.model.tp, hours, failure_model, seed
+            )
+            initial, events = drawn.initial, drawn.events
+            entry["failures"] = len(drawn.removed_per_failure)
+            entry["workers_removed"] = sum(drawn.removed_per_failure)
+            entry["by_cause"] = drawn.by_cause
         if not fault_free:
             fault_free = {name: fault_free_rate(name, job, params, initial, cache) for name in systems}
-        entry = {"seed": seed, "failures": sum(1 for e in events if e.kind == "remove"), "systems": {}}
         for name in systems:
             run = replay(make_system(name, job, params, 0.0, cache), initial, events, hours * 3600.0)
             entry["systems"][name] = run.samples_per_s
@@ -366,7 +380,8 @@ def poisson(
         "rate_multiple": rate_multiple,
         "rate_per_gpu_day": rate_multiple * LLAMA3_RATE_PER_GPU_DAY,
         "hours": hours,
-        "repair_hours": repair_hours,
+        "repair_hours": repair_hours if failure_model is None else failure_model.repair_mean_hours,
+        "failure_model": "single" if failure_model is None else "causes",
         "spares": spares,
         "seeds": list(seeds),
         "label": f"{job.gpus} GPUs {job.model.name} x{rate_multiple:g} Llama 3 rate",

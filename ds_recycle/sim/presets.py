@@ -189,3 +189,32 @@ def _load(path: Path) -> ModelSpec:
         return ModelSpec(**data)
     except TypeError as exc:
         raise ValueError(f"model file {path}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class RecoveryCosts:
+    """ReCycle's pause per failure: detection (to every survivor stopped) and the rebuild of its
+    communication groups, also paid by a re-join and a migration (``sim/recycle.py``)."""
+
+    name: str
+    detect_s: float
+    rebuild_s: float
+    source: str
+
+
+RECYCLE_COSTS: dict[str, RecoveryCosts] = {
+    "measured": RecoveryCosts(
+        "measured",
+        1.0,
+        3.0,
+        "detection: the heartbeat's hang detection on CPU, median 1.03 s in the fault campaign's latest run and "
+        "0.96-2.00 s over all its runs (bench/fault_campaign_output.txt; timeout max(1 s, 3 x slowest iteration)); "
+        "a crash is seen in 25-58 ms, so 1 s covers both. Rebuild: on one H200 with NCCL the survivors' waits end "
+        "within 1 ms of the failure flag and ncclCommAbort (0.5-3.1 s) runs in the background "
+        "(bench/gpu_check_output.txt), so the rebuild is new NCCL communicators for the touched groups, not "
+        "measured: 3 s [A]. On CPU the whole recovery, detection included, takes a median 0.07-0.55 s.",
+    ),
+    "paper": RecoveryCosts("paper", 5.0, 10.0, "ReCycle's defaults in this simulator: 5 s detection, 10 s rebuild [A]"),
+}
+"""ReCycle's recovery costs: ``measured`` (what this project measured, the ETTR study's default) or
+``paper`` (the simulator's original assumptions, ``RecycleParams``' defaults)."""

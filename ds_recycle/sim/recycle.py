@@ -54,6 +54,9 @@ class RecycleParams:
     """The planner may hold up to ``cap_factor * stages`` micro-batches, if memory allows [assumption]."""
     max_plan_ops: int = 30_000
     """Largest ``3 D P m`` planned by the heuristic; above it the lower bound stands in."""
+    join_with_recovery: bool = False
+    """A spare at hand joins in the failure's own recovery (one group rebuild for both, its state copy
+    added) instead of a re-join after it (a second rebuild) [A: not built in the engine]."""
     rebalance: RebalanceParams = RebalanceParams()
     """Whether and how the grid is re-shaped when failures unbalance it (default: never)."""
     repair_prior_s: float = DEFAULT_PRIOR_S
@@ -144,7 +147,8 @@ class Recycle:
         joined = self._fill_from_spares()
         if joined:
             copy = self.job.layout.state_bytes / self.job.hw.network_bandwidth
-            phases.append(Phase(copy + self.params.rebuild_s, 0.0, "re-join"))
+            merged = lost_worker and self.params.join_with_recovery
+            phases.append(Phase(copy + (0.0 if merged else self.params.rebuild_s), 0.0, "re-join"))
             self.notes.append("re-join")
         phases += self._rebalance(now + sum(ph.duration for ph in phases))
         self.clock.pause(now, sum(ph.duration for ph in phases), restart=False)

@@ -3,7 +3,9 @@
 A system answers every change of its nodes with a list of :class:`Phase` (a pause, a slowed
 stretch, ...) ending in its steady rate (an infinite phase). When the next change comes while
 pauses are still pending, the pending pauses are kept and the new phases follow them; the steady
-rate is replaced. Lost work (an iteration rolled back, the work since a checkpoint) is a phase at
+rate is replaced. A system with ``cancels_pending = True`` answers with every phase from the change
+on instead (what it keeps of its pending ones included): checkpoint-restart, whose restart and redo
+a new failure cancels. Lost work (an iteration rolled back, the work since a checkpoint) is a phase at
 rate 0 of the lost duration: it is done again and yields no new sample.
 
 Time is conserved: every second of ``[0, horizon)`` is spent in exactly one phase, so
@@ -97,6 +99,16 @@ class CheckpointClock:
         run = max(0.0, now - self.running_since)
         return (self.banked + run) % self.interval
 
+    def roll_back(self, now: float, restart_s: float) -> float:
+        """A failure at ``now``: the job restarts (``restart_s`` from ``now``, cancelling any restart
+        or redo still under way) and redoes the running time since the last checkpoint, which it
+        returns. The redo counts towards the next checkpoint, so a failure during the restart or the
+        redo loses the same work again."""
+        owed = self.lost(now)
+        self.banked = owed
+        self.running_since = now + restart_s + owed
+        return owed
+
     def pause(self, now: float, seconds: float, restart: bool) -> None:
         """``seconds`` of pauses begin at ``now`` (after any still pending); ``restart``: the state
         rolls back to the last checkpoint, so the running time since it starts again at 0."""
@@ -124,7 +136,10 @@ def replay(system: System, initial: Sequence[str], events: Iterable[Event], hori
             break
         pending = _advance(run, pending, now, time)
         now = time
-        pending = pending[:-1] + system.change(now, removed, added)
+        if getattr(system, "cancels_pending", False):
+            pending = system.change(now, removed, added)
+        else:
+            pending = pending[:-1] + system.change(now, removed, added)
     _advance(run, pending, now, horizon)
     run.notes = list(getattr(system, "notes", []))
     return run

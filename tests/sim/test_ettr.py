@@ -12,6 +12,7 @@ from ds_recycle.cli import main
 from ds_recycle.sim.ettr import META_MTTF_HOURS, failures_per_hour
 from ds_recycle.sim.experiments import ALL_SYSTEMS, SystemParams, ettr, fault_free_rate, poisson
 from ds_recycle.sim.job_restart import JobRestart
+from ds_recycle.sim.recycle import Recycle, RecycleParams
 from ds_recycle.sim.replica_restart import ReplicaRestart
 from ds_recycle.sim.timeline import Event, Run, replay
 
@@ -176,6 +177,9 @@ def test_cli_ettr_prints_a_row_per_scale_and_a_png(tmp_path) -> None:
         (["--png", "x.png"], "sweep, trace, poisson"),
         (["--plot", "x.jpg"], ".png"),
         (["--hours", "8000", "--seeds", "20"], "--hours"),
+        (["--failures", "poisson"], "causes"),
+        (["--recycle-costs", "guess"], "measured"),
+        (["--repair-hours", "3"], "--failures single"),
     ],
 )
 def test_cli_ettr_bad_arguments(extra: list[str], mentions: str, tmp_path) -> None:
@@ -188,3 +192,27 @@ def test_cli_ettr_option_refused_in_other_modes() -> None:
         ["simulate", "poisson", "--model", "13B", "--gpus", "64", "-P", "4", "--hours", "1", "--preset", "meta"]
     )
     assert code == 2 and "--preset is not allowed with poisson" in err and "ettr" in err, err
+
+
+def test_cli_ettr_failure_model_and_recycle_costs() -> None:
+    base = ["simulate", "ettr", "--model", "13B", "--tp", "8", "-P", "8", "--hours", "2", "--scales", "1024"]
+    code, out, err = _cli([*base, "--preset", "meta"])
+    assert code == 0, err
+    assert "Llama 3 causes" in out and "detect 1 s + rebuild 3 s" in out
+    code, out, err = _cli([*base, "--failures", "single", "--repair-hours", "3", "--recycle-costs", "paper"])
+    assert code == 0, err
+    assert "single-GPU failures, repair 3 h" in out and "detect 5 s + rebuild 10 s" in out
+    code, out, err = _cli([*base, "--recycle-costs", "paper", "--recycle-rebuild", "7"])
+    assert code == 0, err
+    assert "detect 5 s + rebuild 7 s" in out
+
+
+def test_recycle_spare_joins_in_the_recovery() -> None:
+    job = small_job(D=4, P=4, m=8)
+    nodes = [f"n{i}" for i in range(job.workers + 1)]
+    events = [Event(1000.0, "remove", "n5")]
+    separate = replay(Recycle(job), nodes, events, 4000.0)
+    merged = replay(Recycle(job, RecycleParams(join_with_recovery=True)), nodes, events, 4000.0)
+    rebuild = RecycleParams().rebuild_s
+    assert separate.downtime - merged.downtime == pytest.approx(rebuild)
+    assert merged.samples > separate.samples

@@ -15,6 +15,7 @@ from ds_recycle.sim.checkpoint import CheckpointParams, CheckpointRestart
 from ds_recycle.sim.job import iteration_1f1b
 from ds_recycle.sim.oobleck import Oobleck, OobleckParams, distribute
 from ds_recycle.sim.recycle import Recycle
+from ds_recycle.sim.timeline import Event, replay
 
 NODES16 = [f"n{i}" for i in range(16)]
 
@@ -233,6 +234,43 @@ def test_checkpoint_restart_loses_at_most_one_interval() -> None:
         lost = [p for p in phases if p.what == "lost work"]
         assert lost and lost[0].duration == pytest.approx(expected)
         assert 0 <= lost[0].duration <= job.checkpoint_interval
+
+
+def test_checkpoint_restart_redoes_the_same_work_after_a_failure_during_its_restart() -> None:
+    """A failure during the restart or the redo cancels it: the job restarts again and redoes the
+    same work (no checkpoint was reached); the redo counts towards the next checkpoint."""
+    job = small_job(4, 4, 8, interval=1000.0)
+    nodes = [f"n{i}" for i in range(18)]  # two spares keep four pipelines
+    R = job.checkpointing.restart_s
+    events = [Event(400.0, "remove", "n0"), Event(600.0, "remove", "n1")]
+    run = replay(CheckpointRestart(job), nodes, events, 5000.0)
+    rate = CheckpointRestart(job).start(NODES16)[-1].rate
+    # the second failure comes during the first restart: from it, R + the same 400 s redo
+    assert run.downtime == pytest.approx(200.0 + R + 400.0)
+    assert run.samples == pytest.approx(rate * (5000.0 - run.downtime))
+    # a failure 100 s after the redo loses the 400 s again plus those 100 s: the checkpoint at 1000 s
+    # of work is not reached yet
+    system = CheckpointRestart(job)
+    system.start(nodes)
+    system.change(400.0, ["n0"], [])
+    end = 400.0 + R + 400.0
+    phases = system.change(end + 100.0, ["n1"], [])
+    assert [p.what for p in phases[:2]] == ["restart", "lost work"]
+    assert phases[1].duration == pytest.approx(500.0)
+    # past that checkpoint only the work since it is lost
+    system.change(end + 100.0 + R + 500.0 + 700.0, ["n2"], [])
+    assert system._pending[1].duration == pytest.approx(500.0 + 700.0 - 1000.0)
+
+
+def test_checkpoint_restart_makes_no_progress_when_failures_outpace_restarts() -> None:
+    job = small_job(4, 4, 8, interval=1000.0)
+    nodes = [f"n{i}" for i in range(16 + 40)]
+    R = job.checkpointing.restart_s
+    events = [Event(500.0 + k * (R + 100.0), "remove", f"n{k}") for k in range(30)]  # always a working node
+    horizon = events[-1].time
+    run = replay(CheckpointRestart(job), nodes, events, horizon)
+    rate = CheckpointRestart(job).start(NODES16)[-1].rate
+    assert run.samples == pytest.approx(rate * 500.0)
 
 
 def test_checkpoint_restart_shrinks_or_waits() -> None:
