@@ -187,11 +187,19 @@ class Waiter:
         done = threading.Event()
         outcome: list = []
         self._helper().put((work, done, outcome))
+        self._await(done, outcome, what, self._abandon_p2p_helper)
+
+    def _abandon_p2p_helper(self) -> None:
+        exit_guard.abandoned(self._thread)  # it may stay blocked in this wait
+        self._requests = None
+
+    def _await(self, done: threading.Event, outcome: list, what: str, abandon: Callable[[], None]) -> None:
+        """Wait until a helper thread sets ``done``; on a failure or past the bound, ``abandon()``
+        the helper and raise :class:`PeerFailure`. An error the helper put in ``outcome`` is a failure."""
         spins, bound = 0, time.monotonic() + WAIT_BOUND_SECONDS
         while not done.is_set():
             if self.failed.is_set() or time.monotonic() > bound:
-                exit_guard.abandoned(self._thread)  # it may stay blocked in this wait
-                self._requests = None
+                abandon()
                 if self.failed.is_set():
                     raise PeerFailure(f"a failure was announced during {what}")
                 raise _unbounded(what)
@@ -243,19 +251,13 @@ class Waiter:
             self._nccl_requests = requests
         done, cancel, outcome = threading.Event(), threading.Event(), []
         self._nccl_requests.put((start, done, cancel, outcome))
-        spins, bound = 0, time.monotonic() + WAIT_BOUND_SECONDS
-        while not done.is_set():
-            if self.failed.is_set() or time.monotonic() > bound:
-                cancel.set()
-                exit_guard.abandoned(self._nccl_thread)  # it may be inside a communicator's making
-                self._nccl_requests = None
-                if self.failed.is_set():
-                    raise PeerFailure(f"a failure was announced during {what}")
-                raise _unbounded(what)
-            spins += 1
-            done.wait(SPIN_SECONDS if spins < 200 else POLL_SECONDS)
-        if outcome and outcome[0] is not None:
-            raise PeerFailure(f"{what}: {outcome[0]}") from outcome[0]
+
+        def abandon() -> None:
+            cancel.set()
+            exit_guard.abandoned(self._nccl_thread)  # it may be inside a communicator's making
+            self._nccl_requests = None
+
+        self._await(done, outcome, what, abandon)
 
     def _helper(self) -> queue.Queue:
         if self._requests is None:
