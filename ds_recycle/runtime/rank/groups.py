@@ -120,14 +120,7 @@ def rebuild_world(
     (:func:`abort_communicators`), never destroyed or waited for, and the new world's are made at
     their first op."""
     if dist.is_initialized():  # the previous epoch's, or a joiner's fake world
-        bury(c10d._world.pg_map.keys())
-        if dist.get_backend() == NCCL:
-            abort_communicators()
-            forget_world()
-        else:
-            for group in kept:
-                group.withdraw()
-            dist.destroy_process_group()
+        _leave_world(kept)
     global _leaving_at_exit
     if not _leaving_at_exit:
         _leaving_at_exit = True
@@ -207,12 +200,20 @@ def _leave_world_at_exit() -> None:
     had finished training once ended by SIGABRT at exit, just after its peer's (CI, after a node's
     loss and re-admission)."""
     if dist.is_initialized():
-        bury(c10d._world.pg_map.keys())
-        if dist.get_backend() == NCCL:
-            abort_communicators()
-            forget_world()
-        else:
-            dist.destroy_process_group()
+        _leave_world()
+
+
+def _leave_world(kept: Iterable[KeptGroup] = ()) -> None:
+    """Leave the current world: its groups buried; on NCCL their communicators aborted and the
+    groups unregistered, on gloo ``kept`` taken out of the registry and the rest destroyed."""
+    bury(c10d._world.pg_map.keys())
+    if dist.get_backend() == NCCL:
+        abort_communicators()
+        forget_world()
+        return
+    for group in kept:
+        group.withdraw()
+    dist.destroy_process_group()
 
 
 PAIR_PREFIX = "pair"
