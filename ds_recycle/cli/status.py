@@ -5,8 +5,9 @@
 HOST:PORT is the job's store: the ``--rdzv-endpoint`` of a job on several nodes (or of ``ds-recycle
 coordinator``), or the ``store listening on HOST:PORT`` line of a one-node ``ds-recycle launch``.
 It reads the store as the status page does (:func:`ds_recycle.runtime.control.status.read_status`) and
-writes nothing to it, so it needs no job token: the token guards what changes the job (requests,
-reports, check-ins), and it prints none. ``--json`` prints what the page's ``/status.json`` serves.
+writes nothing to it, so it needs no job token. With ``DS_RECYCLE_TOKEN`` set (the job's token) it
+checks every record's seal and refuses a store whose records are not the job's; without it, it
+shows the records unchecked. It never prints the token. ``--json`` prints what the page's ``/status.json`` serves.
 
 A bad endpoint exits 2 with one line (before any connection); a store that does not answer within
 ``--timeout``, or one that holds no ds-recycle job, exits 1 with one line.
@@ -59,10 +60,13 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         with _quiet_stderr():  # torch's store client logs every retry, with a C++ stack, to fd 2
-            root = C10dStoreRoot.connect(address, timeout=args.timeout, connect_timeout=args.timeout)
+            token = os.environ.get(nodes.TOKEN_ENV) or None
+            root = C10dStoreRoot.connect(address, token, timeout=args.timeout, connect_timeout=args.timeout)
             generation = root.running_generation()
             if generation is not None:
-                store = C10dJobStore.connect(address, generation, timeout=args.timeout, connect_timeout=args.timeout)
+                store = C10dJobStore.connect(
+                    address, generation, token, timeout=args.timeout, connect_timeout=args.timeout
+                )
                 job = status.read_status(store, generation)
     except (RuntimeError, OSError, ValueError) as exc:  # torch's DistNetworkError and DistStoreError included
         reason = shorten(" ".join(str(exc).split()), 160)

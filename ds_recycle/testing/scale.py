@@ -287,7 +287,7 @@ def _worker(
             link.register()
             link.start()
             links[node] = link
-        watches[node] = _retrying(lambda node=node, slots=slots: NodeWatch(address, 0, node, slots))
+        watches[node] = _retrying(lambda node=node, slots=slots: NodeWatch(address, 0, node, slots, TOKEN))
         NODE_ADDRESSES.add(watches[node].address)
         watches[node].start()
         for slot in slots:
@@ -350,7 +350,7 @@ def _hammer(address: str, clients: int, seconds: float, start, results: mp.Queue
     go, stop = threading.Event(), threading.Event()
 
     def run(index: int) -> None:
-        store = C10dJobStore.connect(address, 0, timeout=60.0)
+        store = C10dJobStore.connect(address, 0, TOKEN, timeout=60.0)
         store.alert_count()
         connected.release()
         go.wait()
@@ -432,7 +432,7 @@ class Harness:
         self.port = ports.get(timeout=120.0)
         self.address = f"{self.host}:{self.port}"
         n = self.shape.ranks
-        C10dJobStore.connect(self.address, 0, timeout=60.0).open_job(n)
+        C10dJobStore.connect(self.address, 0, TOKEN, timeout=60.0).open_job(n)
         layout = NodeLayout(self.shape.nodes, self.shape.per_node, self.shape.lease_seconds)
         self.root = tempfile.mkdtemp(prefix="ds_recycle_scale_beats_")
         self.coordinator = Coordinator(

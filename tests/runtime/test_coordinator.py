@@ -22,7 +22,7 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from ds_recycle.runtime.control.coordinator import Coordinator, HeartbeatPolicy, NodeLayout, RankExit
+from ds_recycle.runtime.control.coordinator import UNSEALED, Coordinator, HeartbeatPolicy, NodeLayout, RankExit
 from ds_recycle.runtime.node.link import KILL_CHECK_SECONDS, NodeLink
 from ds_recycle.runtime.node.node_watch import NodeWatch
 from ds_recycle.runtime.shared import keys, records, transport
@@ -42,7 +42,7 @@ class Harness:
         )
         self.raw = dist.PrefixStore(keys.prefix(0), self.server)
         """The job's keys on the wire, for what a test checks there."""
-        self.store = C10dJobStore(self.raw)
+        self.store = C10dJobStore(self.raw, TOKEN, 0)
         self.store.open_job(WORLD)
         self.lines: list[str] = []
         self._node_watch: NodeWatch | None = None
@@ -73,7 +73,7 @@ class Harness:
     def node_watch(self) -> NodeWatch:
         """The node's watch (one node of every slot, as without ``nodes``), started at first use."""
         if self._node_watch is None:
-            self._node_watch = NodeWatch(f"127.0.0.1:{self.server.port}", 0, 0, range(WORLD)).start()
+            self._node_watch = NodeWatch(f"127.0.0.1:{self.server.port}", 0, 0, range(WORLD), TOKEN).start()
         return self._node_watch
 
     def agent(self, slot: int, watch: NodeWatch | None = None):
@@ -96,7 +96,8 @@ class Harness:
         shutil.rmtree(self.beats_dir, ignore_errors=True)
 
     def request(self, kind: str, slot: int, token: str = TOKEN, pid: int = 4242, target: int | None = None) -> None:
-        self.store.post_request(Request(kind, slot, token, pid, time.time(), target))
+        """Post a request as a process holding ``token`` would (another token: a stranger)."""
+        C10dJobStore(self.raw, token, 0).post_request(Request(kind, slot, pid, time.time(), target))
 
     def pending(self) -> list[records.Change]:
         return self.store.changes()
@@ -128,7 +129,7 @@ def harness():
 def test_requests_are_validated_and_refused_ones_change_nothing(harness):
     h = harness
     h.request(records.JOIN, 1, token="b" * 32, pid=777)
-    assert h.wait_for_line("refused join request for slot 1 from pid 777").endswith("wrong token")
+    assert h.wait_for_line("refused request 1: not sealed with the job token")
     h.request("explode", 1)
     h.wait_for_line("unknown kind 'explode'")
     h.request(records.LEAVE, WORLD)
@@ -204,7 +205,7 @@ def test_a_move_is_accepted_only_into_a_retired_slot_that_no_other_move_fills(ha
     h.request(records.MOVE, 1, target=WORLD)
     h.wait_for_line(f"move target {WORLD} out of range")
     h.request(records.MOVE, 1, target=3, token="b" * 32)
-    h.wait_for_line("refused move request for slot 1 from pid 4242: wrong token")
+    h.wait_for_line("not sealed with the job token")
     assert [c.kind for c in h.pending()] == [records.FAILED, records.RETIRED], "a refused move changes nothing"
     h.request(records.MOVE, 1, target=3)
     h.wait_for_line("accepted move of slot 1 to slot 3")
@@ -281,7 +282,7 @@ def test_a_leaver_that_dies_after_its_leave_was_decided_is_a_failure_of_its_last
 def test_every_decision_it_logs_is_also_a_structured_event(harness):
     h = harness
     h.request(records.JOIN, 1, token="b" * 32, pid=777)
-    h.wait_for_line("refused join request for slot 1 from pid 777")
+    h.wait_for_line("refused request 1: not sealed")
     h.request(records.LEAVE, 3)
     h.wait_for_line("accepted leave of slot 3")
     h.coordinator.rank_exited(RankExit(slot=3, incarnation=0, returncode=-9, observed=time.time()))
@@ -290,7 +291,7 @@ def test_every_decision_it_logs_is_also_a_structured_event(harness):
     h.wait_for_line("published failure of slot 2 (code 1)")
     events = [{k: v for k, v in e.items() if k != "latency_ms"} for e in h.events]
     assert events == [
-        {"event": "refused", "index": 1, "kind": "join", "slot": 1, "pid": 777, "reason": "wrong token"},
+        {"event": "refused", "index": 1, "kind": None, "slot": None, "pid": None, "reason": UNSEALED},
         {"event": "accepted", "kind": "leave", "slot": 3, "pid": 4242},
         {"event": "published_failure", "slot": 3, "cause": "exit", "why": "signal SIGKILL while leaving", "epoch": 0},
         {"event": "published_failure", "slot": 2, "cause": "exit", "why": "code 1", "epoch": 0},
@@ -304,7 +305,7 @@ def test_a_probe_publishes_members_that_ended_without_a_failure(harness):
     h = harness
     h.coordinator.rank_exited(RankExit(slot=3, incarnation=0, returncode=0, observed=time.time()))
     h.request(records.PROBE, 0, token="b" * 32)
-    h.wait_for_line("refused probe request for slot 0 from pid 4242: wrong token")
+    h.wait_for_line("refused request 1: not sealed with the job token")
     assert h.pending() == [] and h.alerts() == 0
     h.request(records.PROBE, 0)
     line = h.wait_for_line("probe from slot 0 (pid 4242) in epoch 0")
@@ -443,7 +444,7 @@ def _watchers(h: Harness, slots: range) -> list:
     watchers = []
     for slot in slots:
         agent = h.agent(slot)
-        client = C10dJobStore(CountingStore(agent.connect_node().client))
+        client = C10dJobStore(CountingStore(agent.connect_node().client), TOKEN, 0)
         watchers.append(FailureWatcher(client, slot, agent.node_store, agent.note_changes).start())
     return watchers
 
@@ -511,7 +512,7 @@ def two_nodes():
     """The harness with two nodes of two slots, each with its node's watch."""
     h = Harness(HeartbeatPolicy(enabled=False), NodeLayout(2, 2, 60.0))
     address = f"127.0.0.1:{h.server.port}"
-    watches = [NodeWatch(address, 0, node, range(2 * node, 2 * node + 2)).start() for node in (0, 1)]
+    watches = [NodeWatch(address, 0, node, range(2 * node, 2 * node + 2), TOKEN).start() for node in (0, 1)]
     yield h, watches
     for watch in watches:
         watch.stop()
@@ -525,7 +526,7 @@ def test_each_node_copies_the_changes_and_the_latest_epoch_once_and_wakes_its_ow
     failure, the recovery decision of the epoch and the entry into the epoch it makes too."""
     h, watches = two_nodes
     address = f"127.0.0.1:{h.server.port}"
-    local = [C10dJobStore.connect(w.address, 0) for w in watches]
+    local = [C10dJobStore.connect(w.address, 0, TOKEN) for w in watches]
     listening = {(c.laddr.ip, c.laddr.port) for c in psutil.net_connections("tcp") if c.status == "LISTEN"}
     for watch in watches:
         port = int(watch.address.rpartition(":")[2])
@@ -549,13 +550,13 @@ def test_each_node_copies_the_changes_and_the_latest_epoch_once_and_wakes_its_ow
     # A stopped watch wakes itself with its next key; its successor on the node skips that key
     # and still wakes for the real change with the same number.
     watches[1].stop()
-    successor = NodeWatch(address, 0, 1, range(2, 4)).start()
+    successor = NodeWatch(address, 0, 1, range(2, 4), TOKEN).start()
     watches[1] = successor
     time.sleep(0.3)
     assert successor.seen == 2 and successor._thread.is_alive()
     h.coordinator.rank_exited(RankExit(0, 0, -9, time.time()))
     assert _wait(lambda: successor.seen == 3), "the real third change still wakes the successor"
-    node_store = C10dJobStore.connect(successor.address, 0)
+    node_store = C10dJobStore.connect(successor.address, 0, TOKEN)
     assert node_store.changes()[-1].kind == records.FAILED
     # With a failure the watch also awaits the recovery decision of the epoch it copied.
     decision = records.Decision(1, 0, 3, tuple(h.pending()[2:]), Membership(2, (1, 2), 0))
@@ -576,10 +577,12 @@ def test_a_node_whose_watch_lost_the_jobs_store_wakes_its_ranks_watchers():
     server = subprocess.Popen([sys.executable, "-c", serve], stdout=subprocess.PIPE, text=True)
     try:
         address = f"127.0.0.1:{int(server.stdout.readline())}"
-        C10dJobStore.connect(address, 0).open_job(2)
+        C10dJobStore.connect(address, 0, TOKEN).open_job(2)
         lines: list[str] = []
-        watch = NodeWatch(address, 0, 0, range(2), lines.append).start()
-        watcher = FailureWatcher(C10dJobStore.connect(watch.address, 0), 0, C10dJobStore.connect(watch.address, 0))
+        watch = NodeWatch(address, 0, 0, range(2), TOKEN, lines.append).start()
+        watcher = FailureWatcher(
+            C10dJobStore.connect(watch.address, 0, TOKEN), 0, C10dJobStore.connect(watch.address, 0, TOKEN)
+        )
         watcher.start()
         time.sleep(0.3)
         assert not watcher.flag.is_set()
@@ -593,7 +596,7 @@ def test_a_node_whose_watch_lost_the_jobs_store_wakes_its_ranks_watchers():
 
 def test_the_link_renews_its_lease_with_its_ranks_beats_and_carries_out_its_nodes_kill_orders_only(tmp_path):
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    store = C10dJobStore(dist.PrefixStore(keys.prefix(0), server))
+    store = C10dJobStore(dist.PrefixStore(keys.prefix(0), server), TOKEN, 0)
     killed: list[tuple[int, int]] = []
     write_beat(tmp_path, 5, records.Beat(123.5, 0.75))
     write_beat(tmp_path, 9, records.Beat(124.0))  # another node's slot: not this link's to relay
@@ -601,7 +604,7 @@ def test_the_link_renews_its_lease_with_its_ranks_beats_and_carries_out_its_node
         f"127.0.0.1:{server.port}",
         0,
         1,
-        "t" * 32,
+        TOKEN,
         2.0,
         log=lambda line: None,
         kill=lambda s, i: killed.append((s, i)),
@@ -633,7 +636,7 @@ def test_a_link_whose_renewals_stop_fences_its_node():
         f"127.0.0.1:{server.port}",
         0,
         2,
-        "t" * 32,
+        TOKEN,
         0.5,
         log=lambda line: None,
         kill=lambda s, i: None,
@@ -647,6 +650,11 @@ def test_a_link_whose_renewals_stop_fences_its_node():
         assert "no lease renewal" in fenced[0]
     finally:
         link.stop()
+
+
+def _claimer(node_store) -> bytes:
+    """The slot that claimed the copy of its node's progress, as sealed on the node's store."""
+    return node_store.get(keys.progress_forwarder_key(0)).split(b"\n")[0]
 
 
 class _Survivors:
@@ -745,8 +753,8 @@ def test_each_nodes_survivors_progress_reaches_the_jobs_store_in_one_copy(two_no
     assert h.store.count_progress(0) == 3, "each node counted its survivors once"
     assert [post.done for post in h.store.progress_of(0, [0, 1, 2]).values()] == [5, 6, 6]
     node_0, node_1 = (_node_store(w) for w in watches)
-    assert node_0.get(keys.progress_forwarder_key(0)) in (b"0", b"1")
-    assert node_1.get(keys.progress_forwarder_key(0)) == b"2"
+    assert _claimer(node_0) in (b"0", b"1")
+    assert _claimer(node_1) == b"2"
     assert int(node_0.add(keys.progress_count_key(0), 0)) == 2 and int(node_1.add(keys.progress_count_key(0), 0)) == 1
 
 
@@ -770,7 +778,7 @@ def test_a_nodes_survivor_that_dies_before_it_posts_leaves_the_copy_to_its_node_
     decisions = {slot: survivors.decisions[slot] for slot in (0, 2)}
     assert all(isinstance(d, records.Decision) for d in decisions.values()), decisions
     assert decisions[0] == decisions[2] and decisions[0].next.members == (0, 2)
-    assert node_0.get(keys.progress_forwarder_key(0)) == b"0"
+    assert _claimer(node_0) == b"0"
 
 
 def test_a_forwarder_that_died_before_copying_is_taken_over(two_nodes):
@@ -780,9 +788,10 @@ def test_a_forwarder_that_died_before_copying_is_taken_over(two_nodes):
     h, watches = two_nodes
     survivors = _Survivors(h, watches)
     node_0 = _node_store(watches[0])
-    node_0.set(keys.progress_key(0, 1), records.Progress(5, False).to_json())
-    node_0.add(keys.progress_count_key(0), 1)
-    node_0.set(keys.progress_forwarder_key(0), "1")
+    as_slot_1 = C10dJobStore(node_0, TOKEN, 0)
+    as_slot_1.post_progress(0, 1, records.Progress(5, False))
+    as_slot_1.count_progress(0, 1)
+    assert as_slot_1.claim_forwarding(0, 1, [1])
     for slot in (3, 1):
         h.coordinator.rank_exited(RankExit(slot=slot, incarnation=0, returncode=-9, observed=time.time()))
         h.wait_for_line(f"published failure of slot {slot}")
@@ -793,5 +802,5 @@ def test_a_forwarder_that_died_before_copying_is_taken_over(two_nodes):
     decisions = {slot: survivors.decisions[slot] for slot in (0, 2)}
     assert all(isinstance(d, records.Decision) for d in decisions.values()), decisions
     assert decisions[0] == decisions[2] and decisions[0].next.members == (0, 2)
-    assert node_0.get(keys.progress_forwarder_key(0)) == b"0", "slot 0 took the copy over"
+    assert _claimer(node_0) == b"0", "slot 0 took the copy over"
     assert h.store.progress_posted(0, [0]) and not h.store.progress_posted(0, [1])

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from ds_recycle.runtime.control.coordinator import UNSEALED
 from ds_recycle.runtime.shared import records
 from ds_recycle.testing.launch_events import LaunchEvents
 
@@ -34,11 +35,13 @@ from ds_recycle.runtime.shared.c10d_store import C10dJobStore
 RANK = int(os.environ["RANK"])
 INCARNATION = int(os.environ[keys.ENV_INCARNATION])
 OUT = Path(sys.argv[1])
-store = C10dJobStore.connect(os.environ[keys.ENV_STORE], int(os.environ[keys.ENV_GENERATION]), timeout=30)
+GENERATION = int(os.environ[keys.ENV_GENERATION])
+store = C10dJobStore.connect(os.environ[keys.ENV_STORE], GENERATION, os.environ[keys.ENV_TOKEN], timeout=30)
 
 
 def post(kind, slot, token):
-    store.post_request(records.Request(kind, slot, token, os.getpid(), time.time()))
+    as_holder = C10dJobStore.connect(os.environ[keys.ENV_STORE], GENERATION, token, timeout=30)
+    as_holder.post_request(records.Request(kind, slot, os.getpid(), time.time()))
 
 
 def pending():
@@ -141,7 +144,7 @@ if os.environ["RANK"] == "1":  # no torch here: incarnation 0 is killed, incarna
 """
     + STORE_CLIENT
     + """
-post(records.JOIN, 1, "0" * 32)  # wrong token: refused, changes nothing
+post(records.JOIN, 1, "0" * 32)  # another token: refused, changes nothing
 wait_for(lambda: (OUT / "respawned").exists(), "the respawned rank")
 print("PENDING " + records.changes_to_json(pending()), "ALERT", store.alert_count(), flush=True)
 """
@@ -156,7 +159,7 @@ def test_sigkill_from_outside_is_published_and_the_rank_respawns_and_joins(tmp_p
         + [script, str(tmp_path)]
     )
     job.wait_for(r"rank 1 pid \d+ started")
-    job.wait_for(r"refused join request for slot 1 from pid \d+: wrong token")
+    job.wait_for(r"refused request 1: not sealed with the job token")
     victim = job.pids[1]
     killed = time.time()
     os.kill(victim, signal.SIGKILL)
@@ -181,8 +184,8 @@ def test_the_event_stream_holds_what_the_log_says(tmp_path, jobs):
     """``--events``: the same job as above, watched through its JSON lines."""
     script = write(tmp_path, "ranks.py", RESPAWN_SCRIPT)
     job = jobs(["--nproc", "2", "--respawn", "--respawn-delay", "0.1", "--timeout", "60", script, str(tmp_path)])
-    refused = job.events.wait_for("refused", kind="join", slot=1, alive=lambda: job.proc.poll() is None)
-    assert refused["reason"] == "wrong token"
+    refused = job.events.wait_for("refused", index=1, alive=lambda: job.proc.poll() is None)
+    assert refused["reason"] == UNSEALED and refused["kind"] is None
     victim = job.pids[1]
     os.kill(victim, signal.SIGKILL)
     assert job.finish() == 0, "\n".join(job.lines)
@@ -194,7 +197,6 @@ def test_the_event_stream_holds_what_the_log_says(tmp_path, jobs):
     mine = [{k: e[k] for k in keys if k in e} for e in events if e.get("slot") == 1 and e["event"] in kinds]
     assert mine == [
         {"event": "started", "slot": 1, "incarnation": 0},
-        {"event": "refused", "slot": 1},
         {"event": "exited", "slot": 1, "incarnation": 0, "code": None, "signal": "SIGKILL"},
         {"event": "published_failure", "slot": 1, "cause": "exit", "why": "signal SIGKILL"},
         {"event": "started", "slot": 1, "incarnation": 1},

@@ -52,7 +52,7 @@ def main() -> None:
     dist.init_process_group("gloo", rank=slot, world_size=PP * DP)
     store = c10d._get_default_store()
     store = store.underlying_store if isinstance(store, dist.PrefixStore) else store
-    job = C10dJobStore(store)
+    job = C10dJobStore(store, "kept-groups-test-token", 0)
     topo = PipeDataParallelTopology(num_pp=PP, num_dp=DP)
     everyone = tuple(range(PP * DP))
 

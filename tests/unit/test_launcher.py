@@ -145,7 +145,7 @@ def test_exit_0_after_leaving_does_not_finish_the_job_and_an_unadmitted_joiner_i
     while sum("started" in x for x in lines) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     host, port = launcher.address
-    C10dJobStore.connect(f"{host}:{port}", 0).publish_epoch(Membership(1, (0,), 0))
+    C10dJobStore.connect(f"{host}:{port}", 0, launcher.token).publish_epoch(Membership(1, (0,), 0))
     (tmp_path / "left").touch()
     thread.join(timeout=60)
     assert result == [0], lines

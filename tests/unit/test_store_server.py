@@ -15,7 +15,7 @@ def _listening(port: int) -> set[str]:
 
 
 def _serves(host: str, port: int) -> bool:
-    root = C10dStoreRoot.connect(f"{host}:{port}", timeout=10.0)
+    root = C10dStoreRoot.connect(f"{host}:{port}", "store-server-test-token", timeout=10.0)
     root.start_generation(7)
     return root.running_generation() == 7
 

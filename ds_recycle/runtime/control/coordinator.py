@@ -9,7 +9,7 @@ Each tick it:
    ``pending`` (a leaver whose boundary has not come yet included), or a joiner whose accepted join
    is still pending, is appended as a ``failed`` change (an exit 0 or 75 is never a failure);
 2. reads the new requests (``request_count``, ``request/<k>``, k = 1, 2, ...) and appends the valid
-   ones: the token matches, the kind is ``join``, ``leave`` or ``probe``, the slot is in range, a
+   ones: the job token's seal holds, the kind is ``join``, ``leave`` or ``probe``, the slot is in range, a
    ``leave`` comes from a member that is not already on its way out, a ``join`` is for a slot that
    is not a member of the current epoch and has no join pending. A ``probe`` (a member's peer stopped
    answering and no failure was published) publishes as failed every member whose process ended.
@@ -35,7 +35,6 @@ The coordinator never decides membership itself: the members do, at iteration bo
 from __future__ import annotations
 
 import collections
-import hmac
 import queue
 import signal
 import threading
@@ -64,6 +63,7 @@ from ds_recycle.runtime.shared.records import (
     Membership,
     Request,
 )
+from ds_recycle.runtime.shared.seal import ForgedRecord
 
 RENEW_MAX_SECONDS = 0.25
 """An agent renews its node's lease every fifth of the lease timeout, at least every 0.25 s: a node's
@@ -86,6 +86,7 @@ JOIN_BATCH_SECONDS = 30.0
 """How long a node's first join waits for the node's other slots to ask too."""
 GAP_WINDOW = 100
 """Heartbeat gaps remembered per member (about 10 s of beats at 0.1 s)."""
+UNSEALED = "not sealed with the job token (written by a process without it)"
 MISSING_REQUEST_SECONDS = 5.0
 """``request_count`` was incremented but ``request/<k>`` never written (the poster died in between):
 after this long the index is skipped, so one dead poster cannot stall every later request."""
@@ -230,7 +231,7 @@ class Coordinator:
         self._last_heartbeat_check = 0.0
         self._heartbeat_scan_seconds = HEARTBEAT_CHECK_SECONDS
         self._store: JobStore | None = None
-        self._query = C10dJobStore.connect(f"{host}:{port}", generation, STORE_OP_SECONDS)
+        self._query = C10dJobStore.connect(f"{host}:{port}", generation, token, STORE_OP_SECONDS)
         """For :meth:`membership` from other threads."""
         self._query_lock = threading.Lock()
         self.error: BaseException | None = None
@@ -242,7 +243,7 @@ class Coordinator:
     def start(self) -> None:
         if self._thread is not None:
             raise RuntimeError(f"the coordinator of generation {self.generation} is running already")
-        self._store = C10dJobStore.connect(f"{self.host}:{self.port}", self.generation, STORE_OP_SECONDS)
+        self._store = C10dJobStore.connect(f"{self.host}:{self.port}", self.generation, self.token, STORE_OP_SECONDS)
         self._pending = self._store.changes()
         self._store.open_inboxes()  # each tick reads both counters in one go
         self._thread = threading.Thread(target=self._run, name=f"recycle-coordinator-{self.generation}", daemon=True)
@@ -407,7 +408,14 @@ class Coordinator:
 
     def _poll_requests(self, count: int) -> None:
         while self._next_request <= count:
-            text = self._store.posted_request(self._next_request)
+            try:
+                text = self._store.posted_request(self._next_request)
+            except ForgedRecord:
+                self._log(f"refused request {self._next_request}: {UNSEALED}")
+                self._emit("refused", index=self._next_request, kind=None, slot=None, pid=None, reason=UNSEALED)
+                self._missing_since = None
+                self._next_request += 1
+                continue
             if text is None:
                 now = time.monotonic()
                 if self._missing_since is None:
@@ -476,8 +484,6 @@ class Coordinator:
 
     def _refusal(self, request: Request) -> str:
         """Why ``request`` is refused, or "" if it is valid."""
-        if not hmac.compare_digest(request.token.encode(), self.token.encode()):
-            return "wrong token"
         if request.kind not in REQUEST_KINDS:
             return f"unknown kind {request.kind!r} (allowed: {', '.join(REQUEST_KINDS)})"
         if not 0 <= request.slot < self.world_size:
@@ -522,7 +528,13 @@ class Coordinator:
     def _poll_reports(self, count: int) -> None:
         """Starts and exits that other nodes' agents saw (their waitpid), as if seen here."""
         while self._next_report <= count:
-            report = self._store.report(self._next_report)
+            try:
+                report = self._store.report(self._next_report)
+            except ForgedRecord:
+                self._log(f"refused report {self._next_report}: {UNSEALED}")
+                self._emit("refused_report", node=None, reason=UNSEALED)
+                self._next_report += 1
+                continue
             if report is None:
                 return  # counted, not yet written
             self._next_report += 1
@@ -537,8 +549,6 @@ class Coordinator:
                 self.rank_exited(RankExit(report.slot, report.incarnation, report.code, report.time))
 
     def _report_refusal(self, report: AgentReport) -> str:
-        if not hmac.compare_digest(report.token.encode(), self.token.encode()):
-            return "wrong token"
         remote = 0 <= report.node < self.nodes.count and report.node != self.local_node
         if report.kind not in ("started", "exited") or not remote:
             return f"kind {report.kind!r} from node {report.node}"
@@ -581,8 +591,14 @@ class Coordinator:
     def _read_leases(self) -> dict[int, Lease]:
         """Every other node's lease (a node that has none yet is left out); kept for the beats."""
         nodes = [node for node in range(self.nodes.count) if node != self.local_node]
-        self._leases = self._store.leases(nodes)
-        return self._leases
+        read = self._store.leases(nodes)
+        # A lease older than one already read is a replay (a sealed record written again by someone
+        # else): the newer one stands until the agent renews.
+        for node, lease in read.items():
+            known = self._leases.get(node)
+            if known is None or (lease.node_incarnation, lease.time) >= (known.node_incarnation, known.time):
+                self._leases[node] = lease
+        return dict(self._leases)
 
     def _renew_local_lease(self) -> None:
         """This host's node's lease, with its ranks' beats (read by the status page; its age is never

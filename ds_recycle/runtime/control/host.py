@@ -24,7 +24,6 @@ ended (or died), starting a new generation when the ranks asked for a restart fr
 
 from __future__ import annotations
 
-import hmac
 import resource
 import signal
 import time
@@ -37,6 +36,7 @@ from ds_recycle.runtime.shared import keys, transport
 from ds_recycle.runtime.shared.c10d_store import C10dJobStore, C10dStoreRoot
 from ds_recycle.runtime.shared.job_store import JobStore, StoreRoot
 from ds_recycle.runtime.shared.records import CheckIn
+from ds_recycle.runtime.shared.seal import ForgedRecord
 
 CHECK_IN_POLL_SECONDS = 0.05
 TIMEOUT_EXIT_CODE = 124
@@ -149,7 +149,7 @@ class CoordinatorHost:
         if shortfall is not None:
             self._log(f"warning: {shortfall}")
         self._server = transport.serve(config.host, config.port, timeout=30.0)
-        self._root = C10dStoreRoot.connect(self.address, timeout=30.0)
+        self._root = C10dStoreRoot.connect(self.address, config.token, timeout=30.0)
         self._log(f"store listening on {config.host}:{self._server.port}")
         self._emit("store", host=config.host, port=self._server.port)
         return config.host, self._server.port
@@ -196,12 +196,16 @@ class CoordinatorHost:
         return generation
 
     def _read_check_in(self, node: int) -> CheckIn | None:
-        check_in = self._root.check_in_of(node)
-        if check_in is None:
-            return None
-        if check_in.node == node and hmac.compare_digest(check_in.token.encode(), self.config.token.encode()):
-            return check_in
-        self._log(f"refused the check-in of node {node}: wrong token")
+        try:
+            check_in = self._root.check_in_of(node)
+        except ForgedRecord:
+            check_in = None
+        else:
+            if check_in is None:
+                return None
+            if check_in.node == node:
+                return check_in
+        self._log(f"refused the check-in of node {node}: not sealed with the job token (a process without it)")
         self._emit("refused_check_in", node=node)
         self._root.withdraw_check_in(node)
         return None
@@ -212,7 +216,7 @@ class CoordinatorHost:
         if self.coordinator is not None:
             self.coordinator.stop()
         n = config.world_size
-        store = C10dJobStore.connect(self.address, generation, timeout=30.0)
+        store = C10dJobStore.connect(self.address, generation, config.token, timeout=30.0)
         store.open_job(n, config.nnodes)
         if config.local_node is not None:
             store.set_domain(config.local_node, local_domain)
@@ -243,7 +247,7 @@ class CoordinatorHost:
             return
         if self.status is not None:
             self.status.stop()
-        self.status = StatusServer(self.address, generation, config.status_host, config.status_port)
+        self.status = StatusServer(self.address, generation, config.token, config.status_host, config.status_port)
         self.status.start()
         self._log(f"status page at {self.status.url} (JSON: {self.status.url}status.json)")
 

@@ -215,8 +215,8 @@ def slot_state(member: bool, last: Change | None, slow: bool) -> str:
 class StatusServer:
     """Serves :func:`read_status` as a page and as JSON (see the module doc); read-only."""
 
-    def __init__(self, address: str, generation: int, host: str, port: int) -> None:
-        self._store = C10dJobStore.connect(address, generation, timeout=5.0)
+    def __init__(self, address: str, generation: int, token: str, host: str, port: int) -> None:
+        self._store = C10dJobStore.connect(address, generation, token, timeout=5.0)
         self._lock = threading.Lock()
         self.generation = generation
         server = self

@@ -384,7 +384,9 @@ class Launcher:
             return
         host, port = self.address
         slots = range(self.slots[0].slot, self.slots[-1].slot + 1)
-        self.node_watch = NodeWatch(f"{host}:{port}", self.generation, self.config.node_rank, slots, self.log).start()
+        self.node_watch = NodeWatch(
+            f"{host}:{port}", self.generation, self.config.node_rank, slots, self.token, self.log
+        ).start()
 
     def _await_generation(self, last: int, newer_only: bool = True) -> int:
         """Check in at the coordinator's store and wait until it runs a generation after ``last``

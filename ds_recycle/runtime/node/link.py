@@ -63,14 +63,14 @@ def await_generation(address: str, node: int, token: str, last: int, wait: float
     while True:
         try:
             if root is None and _listening(address):
-                root = C10dStoreRoot.connect(address, timeout=CONNECT_SECONDS)
+                root = C10dStoreRoot.connect(address, token, timeout=CONNECT_SECONDS)
             if root is None:
                 raise ConnectionRefusedError(address)
             generation = root.running_generation()
             if generation is not None and (generation > last or not newer_only):
                 return generation
             if not checked_in:
-                root.check_in(CheckIn(node, last, token))
+                root.check_in(CheckIn(node, last))
                 checked_in = True
         except (RuntimeError, OSError, dist.DistStoreError, ValueError):
             root, checked_in = None, False  # not listening (yet), or it went away: a fresh client next time
@@ -117,8 +117,8 @@ class NodeLink:
         self.lease_seconds = lease_seconds
         self.grace = lease_seconds if grace is None else min(grace, lease_seconds)
         self._log, self._kill, self._fence = log, kill, fence
-        self._store = C10dJobStore.connect(address, generation, timeout=max(1.0, lease_seconds))
-        self._query = C10dJobStore.connect(address, generation, timeout=max(1.0, lease_seconds))
+        self._store = C10dJobStore.connect(address, generation, token, timeout=max(1.0, lease_seconds))
+        self._query = C10dJobStore.connect(address, generation, token, timeout=max(1.0, lease_seconds))
         self._query_lock = threading.Lock()
         self._reports: queue.Queue[AgentReport] = queue.Queue()
         self._stop = threading.Event()
@@ -188,7 +188,7 @@ class NodeLink:
             return self._query.membership()
 
     def _report(self, kind: str, slot: int, incarnation: int, pid: int, code: int | None, when: float) -> AgentReport:
-        return AgentReport(kind, self.node, self.node_incarnation, slot, incarnation, pid, code, when, self.token)
+        return AgentReport(kind, self.node, self.node_incarnation, slot, incarnation, pid, code, when)
 
     # ---- the thread ----------------------------------------------------------------------------
 

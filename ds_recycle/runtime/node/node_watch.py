@@ -45,20 +45,26 @@ class NodeWatch:
     """Hosts the node's store and keeps its copy of the job's changes (see the module doc)."""
 
     def __init__(
-        self, job_address: str, generation: int, node: int, slots: range, log: Callable[[str], None] | None = None
+        self,
+        job_address: str,
+        generation: int,
+        node: int,
+        slots: range,
+        token: str,
+        log: Callable[[str], None] | None = None,
     ) -> None:
-        self.node, self.slots, self.generation = node, slots, generation
+        self.node, self.slots, self.generation, self.token = node, slots, generation, token
         self._log = log or (lambda line: None)
         self._server = transport.serve("127.0.0.1", 0)
         self.address = f"127.0.0.1:{self._server.port}"
-        self._job = C10dJobStore.connect(job_address, generation)
-        self._waker = C10dJobStore.connect(job_address, generation)
+        self._job = C10dJobStore.connect(job_address, generation, token)
+        self._waker = C10dJobStore.connect(job_address, generation, token)
         self._local: JobStore | None = None
         self.seen = 0
         """How many changes the node's store holds."""
         self._epoch = -1
         """The latest epoch copied."""
-        self._decisions = C10dJobStore.connect(job_address, generation)
+        self._decisions = C10dJobStore.connect(job_address, generation, token)
         self._awaited: tuple[int, int] | None = None
         """The epoch whose recovery decision is awaited (copied with the latest failure), and the
         changes copied with it."""
@@ -69,7 +75,7 @@ class NodeWatch:
 
     def start(self) -> NodeWatch:
         """Copy the changes and the epoch so far (before the node's ranks start), then watch."""
-        self._local = C10dJobStore.connect(self.address, self.generation)
+        self._local = C10dJobStore.connect(self.address, self.generation, self.token)
         self._copy(self._job.alert_count())
         self._thread = threading.Thread(target=self._run, name=f"recycle-node-watch-{self.node}", daemon=True)
         self._thread.start()
@@ -101,7 +107,7 @@ class NodeWatch:
     def _copy_decisions(self) -> None:
         """For the failure awaited: copy its epoch's recovery decision, then the entry into the
         epoch that decision makes, into the node's store."""
-        local = C10dJobStore.connect(self.address, self.generation)
+        local = C10dJobStore.connect(self.address, self.generation, self.token)
         done = None
         while not self._stop.is_set():
             with self._awaited_changed:

@@ -126,6 +126,8 @@ class MembershipAgent:
         )
         if not agent.node_address:
             raise MembershipError(f"{keys.ENV_NODE_STORE} is not set: start the ranks with ds-recycle launch")
+        if not agent.token:
+            raise MembershipError(f"{keys.ENV_TOKEN} is not set: start the ranks with ds-recycle launch")
         try:
             node, layout = int(environ["GROUP_RANK"]), NodeLayout.from_env(environ, required=True)
         except (KeyError, ValueError):
@@ -143,11 +145,11 @@ class MembershipAgent:
 
     def connect(self) -> JobStore:
         """A client of the job's store of its own, for a thread that must not share the agent's."""
-        return C10dJobStore.connect(self.address, self.generation)
+        return C10dJobStore.connect(self.address, self.generation, self.token)
 
     def connect_node(self) -> JobStore:
         """A client of the node's store of its own (the failure watcher's)."""
-        return C10dJobStore.connect(self.node_address, self.generation)
+        return C10dJobStore.connect(self.node_address, self.generation, self.token)
 
     @property
     def is_joiner(self) -> bool:
@@ -162,7 +164,7 @@ class MembershipAgent:
         """Post a request for this slot (or ``slot``: the lowest member proposes a migration of
         another member into ``target``)."""
         slot = self.slot if slot is None else slot
-        (store or self.store).post_request(Request(kind, slot, self.token, os.getpid(), time.time(), target))
+        (store or self.store).post_request(Request(kind, slot, os.getpid(), time.time(), target))
 
     def install_leave_handler(self) -> None:
         """SIGTERM, SIGINT or SIGHUP (a preemption notice, ``scancel``, a closed terminal) means:

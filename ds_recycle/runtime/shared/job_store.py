@@ -71,7 +71,8 @@ class StoreRoot(ABC):
 
     @abstractmethod
     def check_in_of(self, node: int) -> CheckIn | None:
-        """Node ``node``'s check-in, if it checked in (unverified: the coordinator checks its token)."""
+        """Node ``node``'s check-in, if it checked in. Raises
+        :class:`~ds_recycle.runtime.shared.seal.ForgedRecord` for one not sealed with the job token."""
 
     @abstractmethod
     def withdraw_check_in(self, node: int) -> None:
@@ -185,8 +186,9 @@ class JobStore(ABC):
 
     @abstractmethod
     def posted_request(self, index: int) -> bytes | None:
-        """Request ``index`` as posted (None: counted, not yet written). Not parsed: anyone may post,
-        and the coordinator refuses a malformed one."""
+        """Request ``index`` as posted (None: counted, not yet written). Not parsed: the coordinator
+        refuses a malformed one. Raises :class:`~ds_recycle.runtime.shared.seal.ForgedRecord` for one
+        not sealed with the job token (anyone who reaches the store may post)."""
 
     @abstractmethod
     def post_report(self, report: AgentReport) -> int:
@@ -194,7 +196,8 @@ class JobStore(ABC):
 
     @abstractmethod
     def report(self, index: int) -> AgentReport | None:
-        """Report ``index`` (None: counted, not yet written)."""
+        """Report ``index`` (None: counted, not yet written). Raises
+        :class:`~ds_recycle.runtime.shared.seal.ForgedRecord` for one not sealed with the job token."""
 
     # ---- decisions -----------------------------------------------------------------------------
 

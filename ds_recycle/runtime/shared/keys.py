@@ -2,12 +2,16 @@
 by which a rank tells its launcher what to do next.
 
 ``ds-recycle launch`` hosts one store for the whole job and is the single owner of the list of
-pending membership changes. Trainers post requests; the launcher validates them (the job token,
-the slot, the kind) and appends the accepted ones, and the failures it detects itself, to
+pending membership changes. Trainers post requests; the launcher validates them (the job token's
+seal, the slot, the kind) and appends the accepted ones, and the failures it detects itself, to
 ``pending``. At the end of every iteration the current members fix, with one ``compare_set``, which
 pending changes take effect: the first member to reach the boundary decides for all, with one
 ``compare_set`` each (a member proposes the changes its watcher has seen; it reads no key). After a
 failure the survivors post their progress and fix one recovery decision the same way.
+
+Every record's value is sealed with the job token (:mod:`ds_recycle.runtime.shared.seal`): anyone who
+reaches the store may write a key, and a record without the job's seal is refused or stops the job
+with an error, never taken. Counters and wake keys are not sealed.
 
 Every key lives under ``job/<generation>/``: a restart from a checkpoint starts a new generation,
 so nothing from the previous one is read again. This table is the whole protocol; no other module

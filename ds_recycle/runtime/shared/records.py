@@ -54,7 +54,6 @@ class Request:
 
     kind: str
     slot: int
-    token: str
     pid: int
     time: float
     target: int | None = None
@@ -69,7 +68,6 @@ class Request:
         return cls(
             str(data["kind"]),
             int(data["slot"]),
-            str(data["token"]),
             int(data["pid"]),
             float(data["time"]),
             None if target is None else int(target),
@@ -90,7 +88,6 @@ class AgentReport:
     code: int | None
     """Popen's convention for ``exited``; None for ``started``."""
     time: float
-    token: str
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -108,7 +105,6 @@ class AgentReport:
             int(data["pid"]),
             None if code is None else int(code),
             float(data["time"]),
-            str(data["token"]),
         )
 
 
@@ -160,7 +156,6 @@ class CheckIn:
 
     node: int
     last_generation: int
-    token: str
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -168,7 +163,7 @@ class CheckIn:
     @classmethod
     def from_json(cls, text: str | bytes) -> CheckIn:
         data = json.loads(text)
-        return cls(int(data["node"]), int(data["last_generation"]), str(data["token"]))
+        return cls(int(data["node"]), int(data["last_generation"]))
 
 
 @dataclass(frozen=True)
