@@ -19,6 +19,8 @@ setup(
         "pyyaml",
         "wandb",
         "matplotlib",
+        # --rdzv-backend etcd: etcd's grpc-gateway (HTTP/JSON), no protobuf (runtime/shared/etcd_transport.py)
+        "etcd3gw>=2.7",
     ],
     extras_require={
         # import-linter: the import contract in pyproject.toml (tests/unit/test_code_contracts.py runs it)

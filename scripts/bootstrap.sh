@@ -33,6 +33,28 @@ if ! have_browser; then
   fi
 fi
 
+# The etcd backend's tests start a 3-member etcd cluster (tests/runtime/test_etcd*.py) and the Slurm
+# tests a Slurm cluster of their own (tests/slurm): Debian's etcd-server, slurm-wlm and munge, installed
+# here as root on a Debian-like machine when missing. Without them those tests skip (fail under CI=true).
+missing=()
+command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
+command -v slurmctld >/dev/null 2>&1 || missing+=(slurm-wlm)
+command -v munged >/dev/null 2>&1 || missing+=(munge)
+if [ "${#missing[@]}" -gt 0 ]; then
+  if [ "$(id -u)" -eq 0 ] && [ -f /etc/debian_version ] && command -v apt-get >/dev/null 2>&1; then
+    echo "bootstrap: installing ${missing[*]} with apt-get (the etcd and Slurm tests' clusters)"
+    apt_log="$(mktemp)"
+    if ! { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+      "${missing[@]}"; } >"$apt_log" 2>&1; then
+      tail -n 20 "$apt_log"
+      echo "bootstrap: WARNING: could not install ${missing[*]}: the etcd and Slurm tests will skip (and fail under CI=true)"
+    fi
+    rm -f "$apt_log"
+  else
+    echo "bootstrap: ${missing[*]} missing and no root apt-get: the etcd and Slurm tests will skip (fail under CI=true)"
+  fi
+fi
+
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv

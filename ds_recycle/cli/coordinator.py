@@ -139,6 +139,7 @@ def job_config(args: argparse.Namespace, job: nodes.NodeSpec | nodes.JobSpec, co
         nproc=job.nproc_per_node,
         nnodes=job.nnodes,
         endpoint=job.endpoint,
+        etcd=getattr(job, "etcd", None),
         token=job.token,
         node_lease=args.node_lease,
         coordinator_wait=coordinator_wait,

@@ -82,6 +82,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     node = nodes.resolve(args)
     _validate(args, node)
+    for flag, name in nodes.ETCD_TLS_FLAGS.items():  # read by every etcd client, the ranks' included
+        if getattr(args, name) is not None:
+            os.environ["DS_RECYCLE_ETCD_" + flag.removeprefix("--etcd-").upper()] = str(
+                Path(getattr(args, name)).resolve()
+            )
     from ds_recycle.runtime.node.launcher import Launcher
 
     config = dataclasses.replace(
@@ -167,6 +172,8 @@ def _validate(args: argparse.Namespace, node: nodes.NodeSpec) -> None:
             f"--coordinator-timeout {args.coordinator_timeout:g}: must be at most --node-lease {args.node_lease:g} "
             "(an agent fences its ranks by the time its lease lapses)"
         )
+    if args.external_coordinator and node.etcd is not None:
+        raise error("--external-coordinator is for the c10d store: on --rdzv-backend etcd every agent may coordinate")
     if args.external_coordinator and node.nnodes < 2:
         raise error("--external-coordinator is for several nodes: give --nnodes N (2..4096) and --rdzv-endpoint")
     if args.timeout is not None and not args.timeout > 0:

@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ds_recycle.cli.common import UsageError, float_in
+from ds_recycle.cli.common import UsageError, float_in, shorten
 
 MAX_NODES = 4096
 _NODE_FLAGS = {
@@ -69,6 +69,8 @@ class NodeSpec:
     """This node's failure domain (a rack, a switch); "" for none."""
     visible_devices: str | None = None
     """``CUDA_VISIBLE_DEVICES`` for this node's ranks (from ``--include``/``--exclude``); None: as it is."""
+    etcd: tuple[str, ...] | None = None
+    """The etcd members holding the job's store (``--rdzv-backend etcd``); None: the c10d store."""
 
 
 @dataclass(frozen=True)
@@ -176,6 +178,23 @@ def add_job_arguments(group: argparse._ActionsContainer) -> None:
         metavar="HOST:PORT",
         help="where the store and the coordinator listen (node 0's agent, or ds-recycle coordinator)",
     )
+    group.add_argument(
+        "--rdzv-backend",
+        "--rdzv_backend",
+        dest="rdzv_backend",
+        default="c10d",
+        metavar="{c10d,etcd}",
+        help="c10d: node 0's agent (or ds-recycle coordinator) hosts the store; etcd: the store is the etcd "
+        "cluster at --rdzv-endpoint HOST:PORT[,HOST:PORT...] and any agent may hold the coordinator's role",
+    )
+    for name, what in (("cacert", "CA bundle"), ("cert", "client certificate"), ("key", "client key")):
+        group.add_argument(
+            f"--etcd-{name}",
+            dest=f"etcd_{name}",
+            default=None,
+            metavar="FILE",
+            help=f"etcd's TLS {what} (or DS_RECYCLE_ETCD_{name.upper()}; a user: DS_RECYCLE_ETCD_USER/_PASSWORD)",
+        )
     group.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id", default=None, metavar="JOB", help="a job name")
     group.add_argument("--master-addr", "--master_addr", dest="master_addr", default=None, metavar="HOST")
     group.add_argument("--master-port", "--master_port", dest="master_port", default=None, metavar="PORT")
@@ -204,7 +223,10 @@ def resolve(
     """The node this agent is; raises UsageError naming the flag or variable and what is allowed.
     ``gpu_count`` (default :func:`cuda_device_count`) is asked only when nothing else gives the number
     of this node's GPUs."""
+    etcd = etcd_endpoints(args)
     spec = _resolve(args, environ, gpu_count or cuda_device_count)
+    if etcd is not None:
+        spec = dataclasses.replace(spec, endpoint=None, etcd=etcd)
     domain = getattr(args, "domain", None)
     if domain is None:
         return spec
@@ -216,6 +238,11 @@ def resolve(
 def resolve_job(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> JobSpec:
     """The job a standalone coordinator hosts (several nodes, an endpoint, the token); raises
     UsageError naming the flag or variable and what is allowed."""
+    if etcd_endpoints(args) is not None:
+        raise UsageError(
+            "--rdzv-backend etcd: every node's agent holds the coordinator's role in turn, so a standalone "
+            "ds-recycle coordinator is not needed (start the agents with --rdzv-backend etcd)"
+        )
     nnodes = _nnodes(args.nnodes, environ)
     if nnodes < 2:
         raise UsageError(
@@ -591,7 +618,38 @@ def _nnodes(value: str | None, environ: Mapping[str, str], flag: str = "--nnodes
     return _int_in(name, text, 1, MAX_NODES)
 
 
-def _endpoint(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, int]:
+ETCD_TLS_FLAGS = {"--etcd-cacert": "etcd_cacert", "--etcd-cert": "etcd_cert", "--etcd-key": "etcd_key"}
+
+
+def etcd_endpoints(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """The etcd members of ``--rdzv-backend etcd`` (None for c10d); raises UsageError for a bad
+    backend, endpoint list or TLS file."""
+    backend = getattr(args, "rdzv_backend", "c10d")
+    if backend not in ("c10d", "etcd"):
+        raise UsageError(f"--rdzv-backend {shorten(str(backend), 40)!r}: expected c10d or etcd")
+    for flag, name in ETCD_TLS_FLAGS.items():
+        path = getattr(args, name, None)
+        if path is not None and backend != "etcd":
+            raise UsageError(f"{flag} is for --rdzv-backend etcd")
+        if path is not None and not Path(path).is_file():
+            raise UsageError(f"{flag} {shorten(path, 80)}: no such file (expected a PEM file)")
+    if (getattr(args, "etcd_cert", None) is None) != (getattr(args, "etcd_key", None) is None):
+        raise UsageError("--etcd-cert and --etcd-key go together (etcd's client TLS needs both)")
+    if backend == "c10d":
+        return None
+    if args.rdzv_endpoint is None:
+        raise UsageError("--rdzv-backend etcd needs --rdzv-endpoint HOST:PORT[,HOST:PORT...] (the etcd members)")
+    members = [part.strip() for part in str(args.rdzv_endpoint).split(",")]
+    if not all(members):
+        raise UsageError(f"--rdzv-endpoint {shorten(str(args.rdzv_endpoint), 80)}: expected HOST:PORT[,HOST:PORT...]")
+    for member in members:
+        parse_endpoint(member)
+    return tuple(members)
+
+
+def _endpoint(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, int] | None:
+    if getattr(args, "rdzv_backend", "c10d") == "etcd":
+        return None
     if args.rdzv_endpoint is not None:
         return parse_endpoint(str(args.rdzv_endpoint))
     host = _first(args.master_addr, "--master-addr", environ, "MASTER_ADDR")

@@ -62,14 +62,21 @@ class Agent(Watched):
         network: Network | None = None,
         extra: tuple[str, ...] = (),
         per_node: int = 2,
+        etcd: tuple[str, ...] = (),
     ) -> None:
+        """``etcd``: the job's store is the etcd cluster of these members (``--rdzv-backend etcd``),
+        not the c10d store at ``port``."""
         logs = self.logs = job.tmp / "logs" / f"node{node}.{incarnation}"
         self.events = LaunchEvents(job.tmp / f"events{node}.{incarnation}.jsonl")
         command = network.enter(node) if network else []
         command += [sys.executable, "-m", "ds_recycle.cli", "launch", "--nnodes", str(nodes)]
         command += ["--node-rank", str(node), "--nproc-per-node", str(per_node)]
         host = network.address(0) if network else "127.0.0.1"
-        command += ["--rdzv-endpoint", f"{host}:{port}", "--node-lease", "2", "--respawn"]
+        if etcd:
+            command += ["--rdzv-backend", "etcd", "--rdzv-endpoint", ",".join(etcd)]
+        else:
+            command += ["--rdzv-endpoint", f"{host}:{port}"]
+        command += ["--node-lease", "2", "--respawn"]
         command += ["--respawn-delay", "0.2", "--timeout", "300", "--log-dir", str(logs)]
         command += ["--events", str(self.events.path), "--preload", *extra]
         command += [str(WORKER), "--pp", str(job.pp), "--steps", str(job.steps), "--optimizer", "adam"]

@@ -436,8 +436,7 @@ class Harness:
         layout = NodeLayout(self.shape.nodes, self.shape.per_node, self.shape.lease_seconds)
         self.root = tempfile.mkdtemp(prefix="ds_recycle_scale_beats_")
         self.coordinator = Coordinator(
-            self.host,
-            self.port,
+            self.address,
             0,
             n,
             TOKEN,

@@ -50,8 +50,7 @@ class Harness:
         self.killed: list[tuple[int, int]] = []
         self.beats_dir = tempfile.mkdtemp(prefix="ds_recycle_test_beats_")
         self.coordinator = Coordinator(
-            "127.0.0.1",
-            self.server.port,
+            f"127.0.0.1:{self.server.port}",
             0,
             WORLD,
             TOKEN,

@@ -172,8 +172,7 @@ class Coordinator:
 
     def __init__(
         self,
-        host: str,
-        port: int,
+        address: str,
         generation: int,
         world_size: int,
         token: str,
@@ -190,7 +189,7 @@ class Coordinator:
         node's with a standalone ``ds-recycle coordinator`` (``local_node=None``), get kill orders).
         ``events(event, **fields)`` gets each logged decision as a structured event (the launcher's
         ``--events`` stream). ``beats_dir``: the beat directory of ``local_node``'s ranks."""
-        self.host, self.port, self.generation = host, port, generation
+        self.address, self.generation = address, generation
         self.world_size = world_size
         self.nodes = nodes or NodeLayout(1, world_size, 5.0)
         self.local_node = local_node
@@ -226,12 +225,13 @@ class Coordinator:
         self._incarnations: dict[int, _Incarnation] = {}
         self._pending: list[Change] = []
         self._next_request = 1
+        self._saved_cursor = (1, 1)
         self._missing_since: float | None = None
         self._job_heartbeats = False
         self._last_heartbeat_check = 0.0
         self._heartbeat_scan_seconds = HEARTBEAT_CHECK_SECONDS
         self._store: JobStore | None = None
-        self._query = C10dJobStore.connect(f"{host}:{port}", generation, token, STORE_OP_SECONDS)
+        self._query = C10dJobStore.connect(address, generation, token, STORE_OP_SECONDS)
         """For :meth:`membership` from other threads."""
         self._query_lock = threading.Lock()
         self.error: BaseException | None = None
@@ -240,12 +240,17 @@ class Coordinator:
 
     # ---- the launcher's side -------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, resume: bool = False) -> None:
+        """Start the thread; ``resume``: take over the generation from a coordinator that ran it
+        before (on etcd, after its host died): go on from the requests and reports it had read, with
+        the ranks' incarnations and exits its reports tell."""
         if self._thread is not None:
             raise RuntimeError(f"the coordinator of generation {self.generation} is running already")
-        self._store = C10dJobStore.connect(f"{self.host}:{self.port}", self.generation, self.token, STORE_OP_SECONDS)
+        self._store = C10dJobStore.connect(self.address, self.generation, self.token, STORE_OP_SECONDS)
         self._pending = self._store.changes()
         self._store.open_inboxes()  # each tick reads both counters in one go
+        if resume:
+            self._resume()
         self._thread = threading.Thread(target=self._run, name=f"recycle-coordinator-{self.generation}", daemon=True)
         self._thread.start()
 
@@ -318,7 +323,38 @@ class Coordinator:
             self._wake.wait(TICK_SECONDS)  # an observed exit wakes the coordinator at once
             self._wake.clear()
 
+    def _resume(self) -> None:
+        self._next_request, next_report = self._saved_cursor = self._store.cursor()
+        for index in range(1, next_report):
+            try:
+                report = self._store.report(index)
+            except ForgedRecord:
+                continue
+            if report is None or self._report_refusal(report):
+                continue
+            if report.kind == "started":
+                self.rank_started(report.slot, report.incarnation, report.time)
+                continue
+            with self._lock:
+                current = self._incarnations.get(report.slot)
+                if current is not None and current.number == report.incarnation:
+                    current.running = False
+                self.exit_codes[report.slot] = report.code
+        self._next_report = next_report
+        self._log(
+            f"took over generation {self.generation}: {len(self._pending)} changes so far, requests from "
+            f"{self._next_request} and reports from {next_report} on"
+        )
+        self._emit("coordinator_resumed", generation=self.generation, changes=len(self._pending))
+
     def _tick(self) -> None:
+        self._tick_inboxes()
+        cursor = (self._next_request, self._next_report)
+        if cursor != self._saved_cursor:
+            self._store.save_cursor(*cursor)
+            self._saved_cursor = cursor
+
+    def _tick_inboxes(self) -> None:
         requests, reports = self._store.inbox_counts()
         if self.nodes.count > 1:
             self._poll_reports(reports)

@@ -40,6 +40,8 @@ from ds_recycle.runtime.shared.seal import ForgedRecord
 
 CHECK_IN_POLL_SECONDS = 0.05
 TIMEOUT_EXIT_CODE = 124
+ROLE_LOST_EXIT_CODE = 3
+"""The coordinator's role passed to another agent (etcd) while this one held it."""
 FAILURE_EXIT_CODE = 1
 LOG_PREFIX = "[ds-recycle coordinator]"
 
@@ -132,6 +134,7 @@ class CoordinatorHost:
         self._log, self._emit = log, emit
         self._kill = kill or _no_local_ranks
         self._server = None
+        self._address = ""
         self._root: StoreRoot | None = None
         self._store: JobStore | None = None
         """A client under the running generation's prefix."""
@@ -149,6 +152,7 @@ class CoordinatorHost:
         if shortfall is not None:
             self._log(f"warning: {shortfall}")
         self._server = transport.serve(config.host, config.port, timeout=30.0)
+        self._address = f"{config.host}:{self._server.port}"
         self._root = C10dStoreRoot.connect(self.address, config.token, timeout=30.0)
         self._log(f"store listening on {config.host}:{self._server.port}")
         self._emit("store", host=config.host, port=self._server.port)
@@ -156,7 +160,7 @@ class CoordinatorHost:
 
     @property
     def address(self) -> str:
-        return f"{self.config.host}:{self._server.port}"
+        return self._address
 
     # ---- the generation --------------------------------------------------------------------------
 
@@ -210,22 +214,32 @@ class CoordinatorHost:
         self._root.withdraw_check_in(node)
         return None
 
-    def start(self, generation: int, local_domain: str = "") -> Coordinator:
-        """Write generation ``generation``'s keys, then ``generation``, and start its coordinator."""
+    def attach(self, address: str) -> None:
+        """Coordinate the job on a store that runs elsewhere (etcd: :mod:`ds_recycle.runtime.control.succession`)
+        instead of hosting one."""
+        self._address = address
+        self._root = C10dStoreRoot.connect(address, self.config.token, timeout=30.0)
+
+    def running_generation(self) -> int | None:
+        """The generation a coordinator runs on the store (one that ran before this one, on etcd)."""
+        return self._root.running_generation()
+
+    def start(self, generation: int, local_domain: str = "", resume: bool = False) -> Coordinator:
+        """Write generation ``generation``'s keys, then ``generation``, and start its coordinator;
+        ``resume``: the generation runs already (its coordinator's host died): take it over."""
         config = self.config
         if self.coordinator is not None:
             self.coordinator.stop()
         n = config.world_size
         store = C10dJobStore.connect(self.address, generation, config.token, timeout=30.0)
-        store.open_job(n, config.nnodes)
-        if config.local_node is not None:
-            store.set_domain(config.local_node, local_domain)
-        self._root.start_generation(generation)
+        if not resume:
+            store.open_job(n, config.nnodes)
+            if config.local_node is not None:
+                store.set_domain(config.local_node, local_domain)
+            self._root.start_generation(generation)
         self.generation, self._store = generation, store
-        host, _, port = self.address.rpartition(":")
         self.coordinator = Coordinator(
-            host,
-            int(port),
+            self.address,
             generation,
             n,
             config.token,
@@ -237,7 +251,7 @@ class CoordinatorHost:
             local_node=config.local_node,
             beats_dir=config.beats_dir,
         )
-        self.coordinator.start()
+        self.coordinator.start(resume)
         self._serve_status(generation)
         return self.coordinator
 
@@ -301,14 +315,39 @@ def serve(
     ended 0, 124 at ``timeout``, 128 + signal when ``stop_signal()`` names one, else 1."""
     raise_descriptor_limit()
     host = CoordinatorHost(config, log, emit)
-    deadline = None if timeout is None else time.monotonic() + timeout
     try:
         host.listen()
-        generation = host.first_generation()
-        host.start(generation)
-        log(f"generation {generation} started: {config.nnodes} nodes x {config.nproc} ranks")
+        return coordinate(host, log, emit, timeout, stop_signal)
+    finally:
+        host.stop()
+
+
+def coordinate(
+    host: CoordinatorHost,
+    log: Callable[[str], None],
+    emit: Callable[..., None],
+    timeout: float | None = None,
+    stop_signal: Callable[[], int | None] = lambda: None,
+    still_held: Callable[[], bool] = lambda: True,
+) -> int:
+    """Coordinate the job on ``host``'s store until every node's agent has ended (:func:`serve`'s
+    exit codes): the generation a predecessor ran if there is one (on etcd), else a first one.
+    Returns ROLE_LOST_EXIT_CODE as soon as ``still_held()`` is false (the role passed to another)."""
+    config = host.config
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        generation = host.running_generation()
+        if generation is not None:
+            host.start(generation, resume=True)
+        else:
+            generation = host.first_generation()
+            host.start(generation)
+            log(f"generation {generation} started: {config.nnodes} nodes x {config.nproc} ranks")
         while True:
             time.sleep(CHECK_IN_POLL_SECONDS)
+            if not still_held():
+                log(f"no longer holds the coordinator's role: generation {generation}'s coordinator stops here")
+                return ROLE_LOST_EXIT_CODE
             received = stop_signal()
             if received is not None:
                 log(f"got {signal.Signals(received).name}: the coordinator ends (the agents fence their ranks)")
@@ -336,7 +375,8 @@ def serve(
         log(str(missing))
         return FAILURE_EXIT_CODE
     finally:
-        host.stop()
+        if host.coordinator is not None:
+            host.coordinator.stop()
 
 
 def _no_local_ranks(slot: int, incarnation: int) -> None:

@@ -52,6 +52,7 @@ from pathlib import Path
 
 from ds_recycle.runtime.control.coordinator import Coordinator, HeartbeatPolicy, RankExit, describe_returncode
 from ds_recycle.runtime.control.host import CoordinatorHost, HostConfig, NodesMissing, raise_descriptor_limit
+from ds_recycle.runtime.control.succession import Succession
 from ds_recycle.runtime.node.link import CoordinatorGone, NodeLink, NodeRefused, await_generation
 from ds_recycle.runtime.node.node_watch import NodeWatch
 from ds_recycle.runtime.node.preload import PreloadedProcess, Preloader, PreloadError, check_argv, die_with_parent
@@ -155,6 +156,10 @@ class LaunchConfig:
     """A node whose agent has not renewed its lease for this long is failed as a whole."""
     external_coordinator: bool = False
     """A ``ds-recycle coordinator`` hosts the store at ``endpoint``: node 0's agent joins it too."""
+    etcd: tuple[str, ...] | None = None
+    """The job's store is etcd, at these members' ``host:port`` (``--rdzv-backend etcd``): no agent
+    hosts a store, and the coordinator's role passes from agent to agent
+    (:mod:`ds_recycle.runtime.control.succession`). None: the c10d store at ``endpoint``."""
     coordinator_timeout: float | None = None
     """An agent that could not reach the coordinator for this long fences its ranks (at most
     ``node_lease``; None: DEFAULT_COORDINATOR_TIMEOUT or ``node_lease`` if shorter)."""
@@ -282,6 +287,8 @@ class Launcher:
         self._last_exit = 0.0
         """Wall time of the last exit waitpid saw."""
         self.host: CoordinatorHost | None = None
+        self.succession: Succession | None = None
+        """This agent's candidacy for the coordinator's role (etcd only)."""
         self._address: tuple[str, int] | None = None
         self.coordinator: Coordinator | NodeLink | None = None
         self.node_watch: NodeWatch | None = None
@@ -301,6 +308,7 @@ class Launcher:
         try:
             raise_descriptor_limit()  # for the store this agent may host, and for its ranks
             self._host_store()
+            self._campaign()
             self._truncate_logs()
             try:
                 self.generation = self.host.first_generation() if self.host else self._await_generation(-1)
@@ -322,6 +330,8 @@ class Launcher:
                 self.node_watch.stop()
             if self.host is not None:
                 self.host.stop()
+            if self.succession is not None:
+                self.succession.stop()
             if self._preloader is not None:
                 self._preloader.close()
             shutil.rmtree(self.beats_dir, ignore_errors=True)
@@ -341,7 +351,26 @@ class Launcher:
 
     @property
     def hosts_coordinator(self) -> bool:
-        return self.config.node_rank == 0 and not self.config.external_coordinator
+        return self.config.node_rank == 0 and not self.config.external_coordinator and self.config.etcd is None
+
+    @property
+    def _endpoint_address(self) -> str:
+        """Where the coordinator's store is expected: the endpoint (another node's agent, or a
+        ``ds-recycle coordinator``, may not listen yet), or etcd's address."""
+        if self.config.etcd is not None:
+            return self.store_address
+        host, port = self.config.endpoint
+        return f"{host}:{port}"
+
+    @property
+    def store_address(self) -> str:
+        """The job's store as its clients connect to it: ``host:port``, or an ``etcd://`` address."""
+        if self.config.etcd is not None:
+            from ds_recycle.runtime.shared.etcd_transport import job_name
+
+            return transport.etcd_address(self.config.etcd, job_name(self.token))
+        host, port = self.address
+        return f"{host}:{port}"
 
     @property
     def coordinator_timeout(self) -> float:
@@ -357,6 +386,14 @@ class Launcher:
         self.host = CoordinatorHost(host_config, log=self.log, emit=self.emit, kill=self._kill_incarnation)
         self._address = self.host.listen()
 
+    def _campaign(self) -> None:
+        """On etcd: campaign for the coordinator's role beside the ranks, for as long as this agent runs."""
+        if self.config.etcd is None:
+            return
+        host_config = self.config.host_config(self.token, None)
+        self.succession = Succession(self.store_address, host_config, self.config.node_rank, self.log, self.emit)
+        self.succession.start()
+
     def _start_generation(self) -> None:
         """Start every rank of this node in ``self.generation`` (its keys are written already when
         another node hosts the coordinator: :meth:`_await_generation` returned it)."""
@@ -364,8 +401,7 @@ class Launcher:
             self.coordinator = self.host.start(self.generation, self.config.domain)
             first_incarnation = 0
         else:
-            host, port = self.address
-            self.coordinator = self._link_to_coordinator(f"{host}:{port}", self.generation)
+            self.coordinator = self._link_to_coordinator(self.store_address, self.generation)
             first_incarnation = self.coordinator.node_incarnation - 1
             self.coordinator.start()  # a host's coordinator was started by host.start
         self._watch_changes()
@@ -382,10 +418,9 @@ class Launcher:
             self.node_watch = None
         if not self.config.membership:
             return
-        host, port = self.address
         slots = range(self.slots[0].slot, self.slots[-1].slot + 1)
         self.node_watch = NodeWatch(
-            f"{host}:{port}", self.generation, self.config.node_rank, slots, self.token, self.log
+            self.store_address, self.generation, self.config.node_rank, slots, self.token, self.log
         ).start()
 
     def _await_generation(self, last: int, newer_only: bool = True) -> int:
@@ -393,9 +428,8 @@ class Launcher:
         (``newer_only``) or any generation; raises CoordinatorGone. The bound is ``coordinator_wait``,
         at least START_WAIT_SECONDS at the job's start (the coordinator may start after the agents)."""
         config = self.config
-        host, port = config.endpoint
         wait = config.coordinator_wait if last >= 0 else max(config.coordinator_wait, START_WAIT_SECONDS)
-        return await_generation(f"{host}:{port}", config.node_rank, self.token, last, wait, newer_only)
+        return await_generation(self._endpoint_address, config.node_rank, self.token, last, wait, newer_only)
 
     def _link_to_coordinator(self, address: str, generation: int) -> NodeLink:
         """A node that does not host the coordinator: register a node incarnation in the generation
@@ -453,7 +487,6 @@ class Launcher:
 
     def _spawn(self, s: _Slot) -> None:
         config = self.config
-        host, port = self.address
         env = self._rank_env()
         env.update(
             {
@@ -463,17 +496,17 @@ class Launcher:
                 "NODE_RANK": str(config.node_rank),
                 "WORLD_SIZE": str(self.world_size),
                 "LOCAL_WORLD_SIZE": str(config.nproc),
-                "MASTER_ADDR": host,
-                "MASTER_PORT": str(port),
-                "TORCHELASTIC_USE_AGENT_STORE": "True",
                 "TORCHELASTIC_RESTART_COUNT": str(self.generation),
                 **transport.QUIET_STORE_ENV,
             }
         )
+        if config.etcd is None:  # torchrun's agent store (etcd has no TCPStore to point at)
+            host, port = self.address
+            env.update({"MASTER_ADDR": host, "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"})
         if config.membership:
             env.update(
                 {
-                    keys.ENV_STORE: f"{host}:{port}",
+                    keys.ENV_STORE: self.store_address,
                     keys.ENV_TOKEN: self.token,
                     keys.ENV_INCARNATION: str(s.incarnation),
                     keys.ENV_GENERATION: str(self.generation),
@@ -711,10 +744,10 @@ class Launcher:
         if config.coordinator_wait <= 0:
             self.log(f"node {node} ended: fenced ({why})")
             return FAILURE_EXIT_CODE
-        host, port = config.endpoint
+        where = self._endpoint_address
         self.log(
             f"node {node} fenced its ranks ({why}); waiting up to {config.coordinator_wait:g} s for a coordinator "
-            f"at {host}:{port} (--coordinator-wait) to restart the job from its latest checkpoint"
+            f"at {where} (--coordinator-wait) to restart the job from its latest checkpoint"
         )
         self.emit("coordinator_lost", node=node, generation=self.generation, wait=config.coordinator_wait)
         try:
@@ -724,13 +757,13 @@ class Launcher:
             return FAILURE_EXIT_CODE
         if generation <= self.generation:
             self.log(
-                f"node {node} ended: fenced ({why}); the coordinator at {host}:{port} still runs generation "
+                f"node {node} ended: fenced ({why}); the coordinator at {where} still runs generation "
                 f"{generation}, so the job went on without this node (it was cut off or frozen): start its agent "
                 "again to re-admit it"
             )
             return FAILURE_EXIT_CODE
         self.log(
-            f"a coordinator is back at {host}:{port}: every rank of node {node} starts again in generation "
+            f"a coordinator is back at {where}: every rank of node {node} starts again in generation "
             f"{generation}, from the latest checkpoint"
         )
         self.emit("restarting", generation=generation)

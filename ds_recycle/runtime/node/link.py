@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 
 from ds_recycle.runtime.control.coordinator import RankExit, renew_seconds
+from ds_recycle.runtime.shared import transport
 from ds_recycle.runtime.shared.beats import read_beats
 from ds_recycle.runtime.shared.c10d_store import C10dJobStore, C10dStoreRoot
 from ds_recycle.runtime.shared.records import AgentReport, CheckIn, Lease, Membership
@@ -62,7 +63,7 @@ def await_generation(address: str, node: int, token: str, last: int, wait: float
     root, checked_in = None, False
     while True:
         try:
-            if root is None and _listening(address):
+            if root is None and (address.startswith(transport.ETCD_SCHEME) or _listening(address)):
                 root = C10dStoreRoot.connect(address, token, timeout=CONNECT_SECONDS)
             if root is None:
                 raise ConnectionRefusedError(address)

@@ -342,6 +342,16 @@ class C10dJobStore(JobStore):
             raise ForgedRecord(f"agent report {index} is not sealed with this job's token")
         return AgentReport.from_json(value)
 
+    def save_cursor(self, request: int, report: int) -> None:
+        self._put(keys.COORDINATOR_CURSOR, json.dumps([request, report]))
+
+    def cursor(self) -> tuple[int, int]:
+        value = self._read_if_set(keys.COORDINATOR_CURSOR)
+        if value is None:
+            return 1, 1
+        request, report = json.loads(value)
+        return int(request), int(report)
+
     # ---- decisions -----------------------------------------------------------------------------
 
     def _propose(self, key: str, proposal: Decision) -> Decision:
@@ -414,7 +424,9 @@ class C10dJobStore(JobStore):
     def world_rendezvous(self, epoch: int) -> Store:
         import torch.distributed as dist
 
-        return dist.PrefixStore(keys.world_prefix(epoch), self.client.clone())
+        return dist.PrefixStore(
+            keys.world_prefix(epoch), transport.rendezvous_client(self.client, self.seal.generation)
+        )
 
     # ---- nodes -----------------------------------------------------------------------------------
 

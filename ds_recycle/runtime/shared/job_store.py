@@ -199,6 +199,14 @@ class JobStore(ABC):
         """Report ``index`` (None: counted, not yet written). Raises
         :class:`~ds_recycle.runtime.shared.seal.ForgedRecord` for one not sealed with the job token."""
 
+    @abstractmethod
+    def save_cursor(self, request: int, report: int) -> None:
+        """The coordinator reads request ``request`` and report ``report`` next."""
+
+    @abstractmethod
+    def cursor(self) -> tuple[int, int]:
+        """The next request and report the coordinator reads ((1, 1) before it saved any)."""
+
     # ---- decisions -----------------------------------------------------------------------------
 
     @abstractmethod

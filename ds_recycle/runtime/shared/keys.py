@@ -53,6 +53,8 @@ kill_count/<node>, kill/<node>/<k>  slot and incarnation the node's agent must k
 ended/<node>                    the node's agent's exit code, written as it ends       agent
 recycle/eval_committed          the last evaluation batch a member finished: its key   members
                                 and loss (JSON)
+coordinator_cursor              the next request and report the coordinator reads     launcher
+                                (JSON): where a successor on etcd takes over
 status                          :class:`StatusReport` JSON: the current plan (times,    the lowest
                                 stragglers, Gantt), each slot's worker, the last       surviving
                                 changes with their latencies (read by the status page)  member
@@ -123,6 +125,9 @@ JOIN_GIVEN_UP_EXIT_CODE = 77
 """A joiner exits with this code when a failure among the members stopped it before its state
 arrived: the launcher publishes it as a failure (the members leave it out of their recovery) and
 respawns it at once, without counting it as a failure of the process."""
+STORE_TIMEOUT_SECONDS = 120.0
+"""Bound on a blocking store operation of a trainer (the launcher's store is its own host or a
+neighbour; a healthy operation takes microseconds)."""
 HEARTBEAT_MIN_TIMEOUT_SECONDS = 10.0
 """Default floor of the hang timeout (the launcher's ``--heartbeat-min-timeout``)."""
 
@@ -230,5 +235,9 @@ REPORT_COUNT = "report_count"
 ALERT = "alert"
 GENERATION = "generation"
 """At the store's root (no generation prefix)."""
+RENDEZVOUS = "rendezvous"
+"""On etcd, at the store's root: ``host:port`` of the TCPStore that the coordinator's holder hosts for
+torch's process groups (written with the role's lease: it goes with the holder)."""
+COORDINATOR_CURSOR = "coordinator_cursor"
 EVAL_COMMITTED = "recycle/eval_committed"
 """The job store's record of the last evaluation batch a member finished: its key and loss."""

@@ -1,5 +1,7 @@
 """The store as a transport: the server a job's store runs on, a client's connection to it, and the
-bounds on both (torch's ``TCPStore``, behind a ``PrefixStore`` for a generation's keys).
+bounds on both (torch's ``TCPStore``, behind a ``PrefixStore`` for a generation's keys). A job whose
+store is etcd (``--rdzv-backend etcd``) has an address of its own, ``etcd://HOST:PORT[,...]/JOB``,
+and its clients are :class:`~ds_recycle.runtime.shared.etcd_transport.EtcdStore` (the same operations).
 
 :class:`Store` names the raw operations of a c10d store that
 :class:`~ds_recycle.runtime.shared.c10d_store.C10dJobStore` speaks the protocol with; no other module
@@ -8,14 +10,13 @@ calls them (torch builds its process groups on a client as well: :mod:`ds_recycl
 
 from __future__ import annotations
 
+import sys
 from datetime import timedelta
 from typing import Protocol
 
-from ds_recycle.runtime.shared.keys import ENV_STORE, prefix
+from ds_recycle.runtime.shared.keys import ENV_STORE, RENDEZVOUS, STORE_TIMEOUT_SECONDS, prefix
 
-STORE_TIMEOUT_SECONDS = 120.0
-"""Bound on a blocking store operation of a trainer (the launcher's store is its own host or a
-neighbour; a healthy operation takes microseconds)."""
+ETCD_SCHEME = "etcd://"
 
 CONNECT_TIMEOUT_SECONDS = 30.0
 """Bound on a client's connect, apart from the bound on its operations: c10d looks up the name of
@@ -102,6 +103,10 @@ def connect(
     (default: ``timeout``, at least CONNECT_TIMEOUT_SECONDS). Each thread that may block in a store
     call needs a client of its own (a blocking call on a TCPStore client blocks every other thread
     using that client)."""
+    if address.startswith(ETCD_SCHEME):
+        from ds_recycle.runtime.shared import etcd_transport
+
+        return etcd_transport.connect(etcd_config(address), generation, timeout)
     import torch.distributed as dist
 
     host, _, port = address.rpartition(":")
@@ -115,3 +120,32 @@ def connect(
     if timeout != connect_timeout:
         base.set_timeout(timedelta(seconds=timeout))
     return base if generation is None else dist.PrefixStore(prefix(generation), base)
+
+
+def etcd_address(endpoints: tuple[str, ...], job: str) -> str:
+    """The address of job ``job``'s store on the etcd members at ``endpoints``."""
+    return f"{ETCD_SCHEME}{','.join(endpoints)}/{job}"
+
+
+def etcd_config(address: str):
+    """The etcd client settings of an ``etcd://`` address (TLS and user from ``DS_RECYCLE_ETCD_*``)."""
+    from ds_recycle.runtime.shared import etcd_transport
+
+    endpoints, _, job = address[len(ETCD_SCHEME) :].rpartition("/")
+    return etcd_transport.config_from_env(endpoints, job)
+
+
+def rendezvous_client(client: Store, generation: int) -> Store:
+    """A client of its own, under ``generation``'s prefix, for torch to build process groups on:
+    ``client``'s clone, or for a client of etcd a client of the TCPStore that the coordinator's
+    holder hosts and announces (etcd serves the protocol; torch's own keys go to a TCPStore, one
+    round trip each instead of a round of consensus)."""
+    etcd = sys.modules.get("ds_recycle.runtime.shared.etcd_transport")
+    if etcd is None or not isinstance(client, etcd.EtcdStore):
+        return client.clone()
+    root = etcd.EtcdStore(client.config, "", client.timeout.total_seconds())
+    try:
+        address = root.get(RENDEZVOUS).decode()
+    finally:
+        root.close()
+    return connect(address, generation, client.timeout.total_seconds())
