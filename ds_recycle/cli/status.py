@@ -40,6 +40,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         help="the job's store: its --rdzv-endpoint, or the `store listening on` address of a one-node launch",
     )
+    parser.add_argument(
+        "--rdzv-backend",
+        "--rdzv_backend",
+        dest="rdzv_backend",
+        default="c10d",
+        metavar="{c10d,etcd}",
+        help="etcd: --rdzv-endpoint names the job's etcd members (HOST:PORT[,...]); the job is found by "
+        "DS_RECYCLE_TOKEN",
+    )
     parser.add_argument("--json", action="store_true", help="print the status as JSON (the page's /status.json)")
     parser.add_argument(
         "--timeout",
@@ -51,16 +60,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    host, port = nodes.parse_endpoint(args.rdzv_endpoint)
-    if not re.fullmatch(HOST_PATTERN, host):
-        raise UsageError(f"--rdzv-endpoint {shorten(host, 60)!r}: expected a host name or an IP address before :PORT")
-    where, address = f"{host}:{port}", f"{host.strip('[]')}:{port}"
+    token = os.environ.get(nodes.TOKEN_ENV) or None
+    members = nodes.etcd_endpoints(args)
+    if members is not None:
+        if token is None:
+            raise UsageError(f"--rdzv-backend etcd: set {nodes.TOKEN_ENV} (the job's token names its keys in etcd)")
+        from ds_recycle.runtime.shared import transport
+        from ds_recycle.runtime.shared.etcd_transport import job_name
+
+        where = address = transport.etcd_address(members, job_name(token))
+    else:
+        host, port = nodes.parse_endpoint(args.rdzv_endpoint)
+        if not re.fullmatch(HOST_PATTERN, host):
+            raise UsageError(
+                f"--rdzv-endpoint {shorten(host, 60)!r}: expected a host name or an IP address before :PORT"
+            )
+        where, address = f"{host}:{port}", f"{host.strip('[]')}:{port}"
     from ds_recycle.runtime.control import status
     from ds_recycle.runtime.shared.c10d_store import C10dJobStore, C10dStoreRoot
 
     try:
         with _quiet_stderr():  # torch's store client logs every retry, with a C++ stack, to fd 2
-            token = os.environ.get(nodes.TOKEN_ENV) or None
             root = C10dStoreRoot.connect(address, token, timeout=args.timeout, connect_timeout=args.timeout)
             generation = root.running_generation()
             if generation is not None:

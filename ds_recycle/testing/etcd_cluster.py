@@ -26,6 +26,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ds_recycle.runtime.node.preload import die_with_parent
+
 ETCD_PACKAGE = "etcd-server"
 """The Debian package with /usr/bin/etcd."""
 
@@ -223,7 +225,9 @@ class EtcdCluster:
         ]
         log = open(member.log_path, "ab")  # noqa: SIM115 (the child owns it from here)
         try:
-            member.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            member.process = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent
+            )
         finally:
             log.close()
 

@@ -40,6 +40,8 @@ from ds_recycle.runtime.shared.seal import ForgedRecord
 
 CHECK_IN_POLL_SECONDS = 0.05
 TIMEOUT_EXIT_CODE = 124
+FENCE_CHECK_SECONDS = 1.0
+"""How often the coordinator looks whether every node's agent fenced its ranks (see every_node_fenced)."""
 ROLE_LOST_EXIT_CODE = 3
 """The coordinator's role passed to another agent (etcd) while this one held it."""
 FAILURE_EXIT_CODE = 1
@@ -134,6 +136,7 @@ class CoordinatorHost:
         self._log, self._emit = log, emit
         self._kill = kill or _no_local_ranks
         self._server = None
+        self._fence_checked = 0.0
         self._address = ""
         self._root: StoreRoot | None = None
         self._store: JobStore | None = None
@@ -267,6 +270,23 @@ class CoordinatorHost:
 
     # ---- the end ---------------------------------------------------------------------------------
 
+    def every_node_fenced(self) -> bool:
+        """Every node's agent checked in again after running this generation: each fenced its ranks
+        (on etcd, after losing the quorum for longer than the lease) and waits for the next one.
+        Looked at every FENCE_CHECK_SECONDS, and only up to the first node still running."""
+        now = time.monotonic()
+        if now - self._fence_checked < FENCE_CHECK_SECONDS:
+            return False
+        self._fence_checked = now
+        for node in range(self.config.nnodes):
+            try:
+                check_in = self._root.check_in_of(node)
+            except ForgedRecord:
+                return False
+            if check_in is None or check_in.last_generation < self.generation:
+                return False
+        return True
+
     def restart_requested(self) -> bool:
         """A rank of this generation asked for a restart of the job from its checkpoint."""
         codes = self.coordinator.exit_codes if self.coordinator is not None else {}
@@ -358,6 +378,15 @@ def coordinate(
             if host.restart_requested() and host.coordinator.all_ended():
                 generation += 1
                 log(f"restarting every rank from the checkpoint (generation {generation})")
+                emit("restarting", generation=generation)
+                host.start(generation)
+                continue
+            if host.every_node_fenced():
+                generation += 1
+                log(
+                    f"every node's agent fenced its ranks and waits for a new generation (the store was out of "
+                    f"reach of them all): restarting every rank from the checkpoint (generation {generation})"
+                )
                 emit("restarting", generation=generation)
                 host.start(generation)
                 continue

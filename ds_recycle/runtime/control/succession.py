@@ -82,14 +82,18 @@ class Succession:
         return server
 
     def _run(self) -> None:
+        unreachable = False
         while not self._stop.is_set():
             try:
                 if not self.election.campaign(timeout=CAMPAIGN_SLICE_SECONDS):
                     continue
             except Exception as error:  # etcd out of reach: campaign again once it answers
-                self._log(f"node {self.node}: cannot campaign for the coordinator's role ({error}); retrying")
+                if not unreachable:
+                    self._log(f"node {self.node}: cannot campaign for the coordinator's role ({error}); retrying")
+                unreachable = True
                 self._stop.wait(CAMPAIGN_SLICE_SECONDS)
                 continue
+            unreachable = False
             if self._stop.is_set():
                 return
             self._log(f"node {self.node} holds the coordinator's role (etcd lease {self.election.ttl} s)")

@@ -751,7 +751,9 @@ class Launcher:
         )
         self.emit("coordinator_lost", node=node, generation=self.generation, wait=config.coordinator_wait)
         try:
-            generation = self._await_generation(self.generation, newer_only=False)
+            # On etcd the store outlives any host: a generation that still runs went on without this
+            # node, or restarts once every node has fenced (a lost quorum): wait for a newer one.
+            generation = self._await_generation(self.generation, newer_only=config.etcd is not None)
         except CoordinatorGone as gone:
             self.log(f"node {node} ended: fenced ({why}); {gone}")
             return FAILURE_EXIT_CODE
