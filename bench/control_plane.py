@@ -1,6 +1,8 @@
 """The control plane at scale: emulated ranks that speak the real protocol against a real TCPStore.
 
-For each N (G = 8 ranks per node), ``ds_recycle.testing.scale`` starts the store server and the real
+For each store (``--store``: c10d, a TCPStore server; etcd, a 3-member etcd cluster on loopback
+whose clients speak through etcd's grpc-gateway, the nodes' own stores still TCPStores) and each N
+(G = 8 ranks per node), ``ds_recycle.testing.scale`` starts the job's store and the real
 coordinator here, and emulated nodes (a real NodeLink, G real MembershipAgents and FailureWatchers,
 iterations that sleep) in worker processes; every store client counts its operations. Per N:
 
@@ -37,11 +39,12 @@ the steady load over that time (and, on a comment line, by kind, with the nodes'
   ("pairs"); every pair by one all-to-all, as it did until session 33 ("all"). Then the same
   arithmetic at 16,384 ranks, against the store's capacity.
 
-    python bench/control_plane.py [--ranks 256 1024 4096 16384] [--workers 8] [--window 5] [--capacity]
-        [--rebuild 4:2 4:4 4:8 4:16 2:16 8:4] [--fan-out 256 2048] [--smoke]
+    python bench/control_plane.py [--ranks 256 1024 4096 16384] [--store c10d etcd] [--workers 8]
+        [--window 5] [--capacity] [--rebuild 4:2 4:4 4:8 4:16 2:16 8:4] [--fan-out 256 2048] [--smoke]
 
-The last line: ``control plane at N ranks: process death -> X ms, node loss -> Y ms, steady load Z
-ops/s per node`` for the largest N run.
+The last line, per store (on etcd: ``... ranks on etcd: ...``): ``control plane at N ranks: process
+death -> X ms, node loss -> Y ms, steady load Z ops/s per node`` for the largest N run. The
+capacity (``--capacity``) is the TCPStore server's: the etcd rows are not set against it.
 """
 
 from __future__ import annotations
@@ -52,9 +55,10 @@ import statistics
 import sys
 import time
 
+from ds_recycle.testing.etcd_cluster import etcd_binary
 from ds_recycle.testing.fanout import measure_fan_out
 from ds_recycle.testing.rebuild import CONNECTS, RebuildCost, measure_rebuild
-from ds_recycle.testing.scale import Harness, Shape, count_store_operations, store_capacity
+from ds_recycle.testing.scale import STORES, Harness, Shape, count_store_operations, store_capacity
 
 PER_NODE = 8
 AT_SCALE = 16384
@@ -89,11 +93,12 @@ def _collect(
     return taken, ops, at
 
 
-def run(ranks: int, workers: int, window: float, iteration: float, lease: float) -> dict:
+def run(ranks: int, workers: int, window: float, iteration: float, lease: float, store: str = "c10d") -> dict:
     shape = Shape(ranks // PER_NODE, PER_NODE, iteration, lease)
     began = time.monotonic()
-    harness = Harness(shape, workers=min(workers, shape.nodes))
-    row = {"ranks": ranks, "nodes": shape.nodes, "start_s": time.monotonic() - began}
+    harness = Harness(shape, workers=min(workers, shape.nodes), store=store)
+    row = {"store": store, "ranks": ranks, "nodes": shape.nodes, "start_s": time.monotonic() - began}
+    label = f"{store} {ranks} ranks"
     try:
         time.sleep(max(2.0, 2 * iteration))
         coordinator0, nodes0, _ = harness.report()
@@ -127,7 +132,7 @@ def run(ranks: int, workers: int, window: float, iteration: float, lease: float)
         kinds = {k: after[k] - before[k] for k in KINDS if after[k] - before[k]}
         local = {k[5:]: after[k] - before[k] for k in sorted(after) if k.startswith("node ") and after[k] - before[k]}
         local.pop("bytes_read", None)
-        print(f"#   {ranks} ranks: a death's store ops by kind (steady load included): {kinds}; nodes' stores: {local}")
+        print(f"#   {label}: a death's store ops by kind (steady load included): {kinds}; nodes' stores: {local}")
         killed = next(r[4] for r in records if r[0] == "killed")
         death = _latencies(records, "recovered", 1, killed)
         row["death_ms"] = (1000 * statistics.median(death), 1000 * death[-1], len(death)) if death else None
@@ -154,9 +159,9 @@ def run(ranks: int, workers: int, window: float, iteration: float, lease: float)
         raise
     finally:
         for change in [c for c in harness.coordinator.pending() if c.kind == "failed"][:3]:
-            print(f"#   {ranks} ranks: failed slot {change.slot}: {change.detail}", flush=True)
+            print(f"#   {label}: failed slot {change.slot}: {change.detail}", flush=True)
         for error in harness.errors[:3]:
-            print(f"#   {ranks} ranks: {len(harness.errors)} errors in emulated threads, e.g. {error[1]}: {error[5]}")
+            print(f"#   {label}: {len(harness.errors)} errors in emulated threads, e.g. {error[1]}: {error[5]}")
         harness.close()
     return row
 
@@ -226,6 +231,13 @@ def fan_out_rows(node_counts: list[int], workers: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[256, 1024, 4096, 16384])
+    parser.add_argument(
+        "--store",
+        nargs="+",
+        choices=STORES,
+        default=["c10d"],
+        help="the job's store: c10d (a TCPStore server) and/or etcd (3 members on loopback)",
+    )
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--window", type=float, default=5.0, help="steady-state window, seconds")
     parser.add_argument("--iteration", type=float, default=1.0, help="emulated iteration time, seconds")
@@ -271,37 +283,53 @@ def main(argv: list[str] | None = None) -> int:
         rebuild_rows(args.rebuild, capacity, connects)
     if args.fan_out:
         fan_out_rows(args.fan_out, args.workers)
+    stores = list(dict.fromkeys(args.store))
+    if "etcd" in stores:
+        binary, why = etcd_binary()
+        if binary is None:
+            print(f"etcd: not run: {why}", flush=True)
+            stores.remove("etcd")
     count_store_operations()
     print(
-        f"{'ranks':>6} {'nodes':>5} {'start s':>7} {'ops/s':>9} {'per node':>8} {'coord':>7} {'boundary ms':>12} "
-        f"{'B/rank':>7} {'death ms (n)':>18} {'flag ms':>12} {'B/rank':>7} {'ops/rank':>8} {'+watch':>6} "
-        f"{'store ops':>9} {'node loss ms (n)':>20} {'hung':>4}"
+        f"{'store':>5} {'ranks':>6} {'nodes':>5} {'start s':>7} {'ops/s':>9} {'per node':>8} {'coord':>7} "
+        f"{'boundary ms':>12} {'B/rank':>7} {'death ms (n)':>18} {'flag ms':>12} {'B/rank':>7} {'ops/rank':>8} "
+        f"{'+watch':>6} {'store ops':>9} {'node loss ms (n)':>20} {'hung':>4}"
     )
-    rows = []
-    for n in args.ranks:
-        try:
-            row = run(n, args.workers, args.window, args.iteration, args.lease)
-        except Exception as error:  # report how far it got, go on with the next N
-            print(f"{n:>6} failed: {type(error).__name__}: {error}", flush=True)
-            continue
-        rows.append(row)
-        print(
-            f"{row['ranks']:>6} {row['nodes']:>5} {row['start_s']:>7.1f} {row['ops_per_s']:>9.0f} "
-            f"{row['ops_per_s_per_node']:>8.0f} {row['coordinator_ops_per_s']:>7.0f} {_fmt(row['boundary_ms']):>12} "
-            f"{row['boundary_bytes_per_rank']:>7.0f} {_fmt(row['death_ms']):>18} {_fmt(row['flag_ms']):>12} "
-            f"{row['death_bytes_per_rank']:>7.0f} {row['death_ops_per_rank']:>8.1f} "
-            f"{row['death_watcher_ops_per_rank']:>6.1f} {row['death_store_ops']:>9.0f} "
-            f"{_fmt(row['node_ms']):>20} {row['declared_hung']:>4}",
-            flush=True,
-        )
-    if not rows:
+    rows: dict[str, list[dict]] = {store: [] for store in stores}
+    for store in stores:
+        for n in args.ranks:
+            try:
+                row = run(n, args.workers, args.window, args.iteration, args.lease, store)
+            except Exception as error:  # report how far it got, go on with the next N
+                print(f"{store:>5} {n:>6} failed: {type(error).__name__}: {error}", flush=True)
+                continue
+            rows[store].append(row)
+            print(
+                f"{store:>5} {row['ranks']:>6} {row['nodes']:>5} {row['start_s']:>7.1f} {row['ops_per_s']:>9.0f} "
+                f"{row['ops_per_s_per_node']:>8.0f} {row['coordinator_ops_per_s']:>7.0f} "
+                f"{_fmt(row['boundary_ms']):>12} {row['boundary_bytes_per_rank']:>7.0f} {_fmt(row['death_ms']):>18} "
+                f"{_fmt(row['flag_ms']):>12} {row['death_bytes_per_rank']:>7.0f} {row['death_ops_per_rank']:>8.1f} "
+                f"{row['death_watcher_ops_per_rank']:>6.1f} {row['death_store_ops']:>9.0f} "
+                f"{_fmt(row['node_ms']):>20} {row['declared_hung']:>4}",
+                flush=True,
+            )
+    if not any(rows.values()):
         print("control plane: no N could be run")
         return 1
-    last = rows[-1]
+    for store, done in rows.items():
+        if done:
+            _last_lines(store, done[-1], capacity if store == "c10d" else None)
+    return 0
+
+
+def _last_lines(store: str, last: dict, capacity: float | None) -> None:
+    """The summary of the largest N run on ``store`` (c10d's as before the etcd rows; ``capacity``
+    is the TCPStore server's, None for etcd)."""
+    on = "" if store == "c10d" else f" on {store}"
     per = last["death_store_ops"] / (last["ranks"] - 1)
     total = (AT_SCALE - 1) * per
     line = (
-        f"a process death at {AT_SCALE} ranks: {total:.3g} store ops to the decision ({per:.1f} per survivor at "
+        f"a process death at {AT_SCALE} ranks{on}: {total:.3g} store ops to the decision ({per:.1f} per survivor at "
         f"{last['ranks']} ranks, every client's; a survivor's own: {last['death_ops_per_rank']:.1f} its "
         f"recovery's, {last['death_watcher_ops_per_rank']:.1f} its failure watcher's on its node's store)"
     )
@@ -311,10 +339,10 @@ def main(argv: list[str] | None = None) -> int:
     death = "-" if last["death_ms"] is None else f"{last['death_ms'][1]:.0f}"
     node = "-" if last["node_ms"] is None else f"{last['node_ms'][1]:.0f}"
     print(
-        f"control plane at {last['ranks']} ranks: process death -> decision {death} ms, node loss -> {node} ms, "
-        f"steady load {last['ops_per_s_per_node']:.0f} ops/s per node"
+        f"control plane at {last['ranks']} ranks{on}: process death -> decision {death} ms, node loss -> {node} ms, "
+        f"steady load {last['ops_per_s_per_node']:.0f} ops/s per node",
+        flush=True,
     )
-    return 0
 
 
 if __name__ == "__main__":

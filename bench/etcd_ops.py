@@ -83,7 +83,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=300, help="repetitions of each operation")
     parser.add_argument("--wakeups", type=int, default=40, help="repetitions of the wait wake-up")
+    parser.add_argument("--smoke", action="store_true", help="20 repetitions and 5 wake-ups (the suite's smoke run)")
     args = parser.parse_args()
+    if args.smoke:
+        args.reps, args.wakeups = 20, 5
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     tcp = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=30))

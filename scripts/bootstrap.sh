@@ -40,6 +40,9 @@ missing=()
 command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
 command -v slurmctld >/dev/null 2>&1 || missing+=(slurm-wlm)
 command -v munged >/dev/null 2>&1 || missing+=(munge)
+command -v ip >/dev/null 2>&1 || missing+=(iproute2)        # the Slurm nodes' network namespaces
+command -v nsenter >/dev/null 2>&1 || missing+=(util-linux)  # ...entered with nsenter and unshare
+command -v openssl >/dev/null 2>&1 || missing+=(openssl)     # the etcd TLS test's certificates
 if [ "${#missing[@]}" -gt 0 ]; then
   if [ "$(id -u)" -eq 0 ] && [ -f /etc/debian_version ] && command -v apt-get >/dev/null 2>&1; then
     echo "bootstrap: installing ${missing[*]} with apt-get (the etcd and Slurm tests' clusters)"

@@ -5,10 +5,13 @@ An emulated rank is a trainer's side of the protocol without torch's engine: the
 and the real :class:`FailureWatcher`, driven by a loop that sleeps through each iteration instead
 of computing. An emulated node is a real :class:`NodeLink` (lease, reports, kill orders) and a real
 :class:`NodeWatch` (the node's store, with its copy of the job's changes). The
-coordinator is the real :class:`Coordinator`, in the harness's process beside the TCPStore server.
-Worker processes host the nodes; in them every store client that ``transport.connect`` opens is a
-:class:`CountingStore`, so the harness counts exactly the operations the real code makes (those on
-the nodes' own stores apart, in :data:`NODE_COUNTS`: they never reach the job's store).
+coordinator is the real :class:`Coordinator`, in the harness's process beside the job's store: a
+TCPStore server (``store="c10d"``) or a 3-member etcd cluster on loopback (``store="etcd"``, its
+clients :class:`~ds_recycle.runtime.shared.etcd_transport.EtcdStore`; the nodes' own stores stay
+TCPStores, as in the runtime). Worker processes host the nodes; in them every store client that
+``transport.connect`` opens (an etcd client too) is a :class:`CountingStore`, so the harness counts
+exactly the operations the real code makes (those on the nodes' own stores apart, in
+:data:`NODE_COUNTS`: they never reach the job's store).
 
 Iteration boundaries fall on wall-clock multiples of the iteration time, the same for every rank, so
 a boundary decision's latency is the time from the boundary to the last member holding it.
@@ -37,8 +40,11 @@ from ds_recycle.runtime.shared import transport
 from ds_recycle.runtime.shared.c10d_store import C10dJobStore
 from ds_recycle.runtime.shared.records import Progress
 from ds_recycle.testing import spawn_context
+from ds_recycle.testing.etcd_cluster import EtcdCluster, etcd_binary
 
 TOKEN = "scale-harness"
+STORES = ("c10d", "etcd")
+"""The job's store a harness runs on: a TCPStore server, or an etcd cluster of 3 members."""
 THREAD_STACK_BYTES = 256 * 1024
 
 
@@ -414,23 +420,49 @@ def _retrying(make, tries: int = 10):
 
 @dataclass
 class Harness:
-    """The real coordinator in this process; the TCPStore server and the emulated nodes (in
-    ``workers`` processes) in processes of their own."""
+    """The real coordinator in this process; the job's store (the TCPStore server, or with
+    ``store="etcd"`` a 3-member etcd cluster, RuntimeError where etcd is missing) and the emulated
+    nodes (in ``workers`` processes) in processes of their own."""
 
     shape: Shape
     workers: int
+    store: str = "c10d"
     host: str = "127.0.0.1"
     log: list[str] = field(default_factory=list)
     errors: list[tuple] = field(default_factory=list)
     """The emulated threads' uncaught exceptions, from every report so far."""
 
     def __post_init__(self) -> None:
+        if self.store not in STORES:
+            raise ValueError(f"store {self.store!r}: expected one of {', '.join(STORES)}")
+        self.server: mp.Process | None = None
+        self.cluster: EtcdCluster | None = None
+        self.coordinator: Coordinator | None = None
+        self.procs: list[mp.Process] = []
+        self.commands: list[mp.Queue] = []
+        self.root: str | None = None
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self) -> None:
         ctx = spawn_context()  # not fork: this process runs the coordinator's threads
-        ports: mp.Queue = ctx.Queue()
-        self.server = ctx.Process(target=_serve_store, args=(self.host, ports), daemon=True)
-        self.server.start()
-        self.port = ports.get(timeout=120.0)
-        self.address = f"{self.host}:{self.port}"
+        if self.store == "etcd":
+            binary, why = etcd_binary()
+            if binary is None:
+                raise RuntimeError(why)
+            from ds_recycle.runtime.shared.etcd_transport import job_name
+
+            self.cluster = EtcdCluster(3, binary).start()
+            self.address = transport.etcd_address(tuple(self.cluster.endpoints), job_name(TOKEN))
+        else:
+            ports: mp.Queue = ctx.Queue()
+            self.server = ctx.Process(target=_serve_store, args=(self.host, ports), daemon=True)
+            self.server.start()
+            self.port = ports.get(timeout=120.0)
+            self.address = f"{self.host}:{self.port}"
         n = self.shape.ranks
         C10dJobStore.connect(self.address, 0, TOKEN, timeout=60.0).open_job(n)
         layout = NodeLayout(self.shape.nodes, self.shape.per_node, self.shape.lease_seconds)
@@ -503,17 +535,26 @@ class Harness:
         self.commands[self.owner[node]].put((command, argument))
 
     def close(self) -> None:
+        """End what the harness started (as far as it got): its workers, the coordinator, the
+        store's server process or etcd's members, the beat directories."""
         for queue in self.commands:
             queue.put(("exit", None))
         for proc in self.procs:
+            if proc.pid is None:
+                continue
             proc.join(timeout=10.0)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-        self.coordinator.stop(timeout=2.0)
-        self.server.kill()
-        self.server.join()
-        shutil.rmtree(self.root, ignore_errors=True)
+        if self.coordinator is not None:
+            self.coordinator.stop(timeout=2.0)
+        if self.server is not None:
+            self.server.kill()
+            self.server.join()
+        if self.cluster is not None:
+            self.cluster.stop()
+        if self.root is not None:
+            shutil.rmtree(self.root, ignore_errors=True)
 
 
 def count_store_operations() -> None:

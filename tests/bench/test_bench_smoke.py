@@ -28,6 +28,7 @@ SMOKE = {
     "control_plane.py": ["--smoke"],
     "ettr.py": ["--smoke"],
     "gpu_costs.py": ["--smoke"],
+    "etcd_ops.py": ["--smoke"],
 }
 MULTIPROCESS = {
     "engine_vs_stock.py",
