@@ -10,6 +10,7 @@ Python processes, but no ranks. The cluster's data lives on /dev/shm; the module
 
 from __future__ import annotations
 
+import logging
 import os
 import selectors
 import signal
@@ -487,3 +488,32 @@ def test_tls_and_authentication():
             EtcdStore(replace(config, password="wrong"), timeout=2.0).get("k")
         with pytest.raises(etcd_transport.EtcdRequestError, match="user name is empty"):
             EtcdStore(replace(config, user=None, password=None), timeout=2.0).get("k")
+
+
+def test_a_strangers_records_in_the_jobs_etcd_keys_are_refused_or_ignored(config):
+    """A process with etcd access but another token, writing into this job's keys: its request is
+    refused (the coordinator logs the refusal), its lease ignored with one log line, its change
+    stops the reader with the key named; nothing of it is taken."""
+    from ds_recycle.log import logger
+    from ds_recycle.runtime.shared.seal import ForgedRecord
+
+    job = C10dJobStore(etcd_transport.connect(config, 0, timeout=5.0), TOKEN, 0)
+    stranger = C10dJobStore(etcd_transport.connect(config, 0, timeout=5.0), "b" * 32, 0)
+    job.open_job(4, nodes=2)
+    job.open_inboxes()
+    stranger.post_request(Request("leave", 1, 4242, 1.0))
+    with pytest.raises(ForgedRecord, match="request 1"):
+        job.posted_request(1)
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        stranger.renew_lease(1, Lease(9, 1.0))
+        assert job.lease(1) is None and job.lease(1) is None
+    finally:
+        logger.removeHandler(handler)
+    assert len(lines) == 1 and "lease/1" in lines[0]
+    stranger.append_changes(0, [Change(0, FAILED, 2, 1.0)], 2)
+    with pytest.raises(ForgedRecord, match="change/0"):
+        job.changes()
