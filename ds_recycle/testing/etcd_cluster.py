@@ -51,22 +51,11 @@ def etcd_binary(install: bool = True) -> tuple[str | None, str]:
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
         return None, "etcd is not installed, and installing etcd-server needs root with apt-get"
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    done = subprocess.run(
-        ["apt-get", "install", "-y", "--no-install-recommends", ETCD_PACKAGE],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if done.returncode != 0:
+    command = ["apt-get", "install", "-y", "--no-install-recommends", ETCD_PACKAGE]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:  # the package lists may be stale or missing: update them and try once more
         subprocess.run(["apt-get", "update"], env=env, capture_output=True, timeout=600)
-        done = subprocess.run(
-            ["apt-get", "install", "-y", "--no-install-recommends", ETCD_PACKAGE],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     found = shutil.which("etcd")
     if found:
         return found, ""

@@ -53,6 +53,19 @@ def etcd():
         yield cluster
 
 
+def _start(
+    tmp_path, tmp_path_factory, etcd: EtcdCluster, config: dict, hold: int | None = None
+) -> tuple[dict, Job, tuple[str, ...], list[Agent]]:
+    """The fault-free reference, and the job started on ``etcd`` by one agent per node (its ranks
+    held at iteration ``hold`` if given): (reference, job, etcd members, agents)."""
+    reference = fault_free(tmp_path_factory, PP, DP, STEPS, "adam")
+    job = Job(tmp_path, PP, DP, STEPS, config, "adam")
+    if hold is not None:
+        job.hold(hold)
+    members = tuple(etcd.endpoints)
+    return reference, job, members, [Agent(job, node, 0, NODES, etcd=members) for node in range(NODES)]
+
+
 def _holder(agents: list[Agent]) -> int | None:
     """The node whose agent holds the coordinator's role now (the last one to say so)."""
     said = [(i, int(m.group(1))) for a in agents for i, line in enumerate(a.lines) if (m := HOLDS.search(line))]
@@ -66,10 +79,7 @@ def _took_over(agents: list[Agent]) -> list[str]:
 def test_the_coordinators_host_is_lost_and_the_job_goes_on_in_place(tmp_path, tmp_path_factory, etcd):
     """The holder's node and the etcd member on its host, at once (the agent's loss alone is the
     same path with one member more: measured 2.00 s to the role taken over)."""
-    reference = fault_free(tmp_path_factory, PP, DP, STEPS, "adam")
-    job = Job(tmp_path, PP, DP, STEPS, job_config(), "adam")
-    members = tuple(etcd.endpoints)
-    agents = [Agent(job, node, 0, NODES, etcd=members) for node in range(NODES)]
+    reference, job, members, agents = _start(tmp_path, tmp_path_factory, etcd, job_config())
     try:
         wait_until(lambda: min(job.progress(s) for s in range(PP * DP)) >= 3, "every rank at iteration 3", agents)
         lost = _holder(agents)
@@ -140,10 +150,7 @@ def _status(members: tuple[str, ...]) -> subprocess.CompletedProcess:
 
 
 def test_an_etcd_member_lost_alone_changes_nothing(tmp_path, tmp_path_factory, etcd):
-    reference = fault_free(tmp_path_factory, PP, DP, STEPS, "adam")
-    job = Job(tmp_path, PP, DP, STEPS, job_config(), "adam")
-    members = tuple(etcd.endpoints)
-    agents = [Agent(job, node, 0, NODES, etcd=members) for node in range(NODES)]
+    reference, job, _, agents = _start(tmp_path, tmp_path_factory, etcd, job_config())
     try:
         wait_until(lambda: min(job.progress(s) for s in range(PP * DP)) >= 3, "every rank at iteration 3", agents)
         etcd.kill((_holder(agents) + 1) % NODES)
@@ -156,13 +163,10 @@ def test_an_etcd_member_lost_alone_changes_nothing(tmp_path, tmp_path_factory, e
 
 
 def test_a_lost_quorum_fences_every_node_and_the_job_restarts_from_the_checkpoint(tmp_path, tmp_path_factory, etcd):
-    reference = fault_free(tmp_path_factory, PP, DP, STEPS, "adam")
     config = job_config()
     config["recycle"]["checkpoint"] = {"dir": str(tmp_path / "checkpoints"), "interval": 4}
-    job = Job(tmp_path, PP, DP, STEPS, config, "adam")
-    job.hold(11)  # the quorum is lost between the checkpoint at 8 and the end
-    members = tuple(etcd.endpoints)
-    agents = [Agent(job, node, 0, NODES, etcd=members) for node in range(NODES)]
+    # held at 11: the quorum is lost between the checkpoint at 8 and the end
+    reference, job, _, agents = _start(tmp_path, tmp_path_factory, etcd, config, hold=11)
     try:
         wait_until(lambda: min(job.progress(s) for s in range(PP * DP)) >= 9, "every rank at iteration 9", agents)
         assert (tmp_path / "checkpoints" / "latest").read_text() == "global_step8"

@@ -376,17 +376,17 @@ def coordinate(
                 log(f"timeout after {timeout:g} s: the coordinator ends")
                 return TIMEOUT_EXIT_CODE
             if host.restart_requested() and host.coordinator.all_ended():
-                generation += 1
-                log(f"restarting every rank from the checkpoint (generation {generation})")
-                emit("restarting", generation=generation)
-                host.start(generation)
-                continue
-            if host.every_node_fenced():
-                generation += 1
-                log(
-                    f"every node's agent fenced its ranks and waits for a new generation (the store was out of "
-                    f"reach of them all): restarting every rank from the checkpoint (generation {generation})"
+                why = ""
+            elif host.every_node_fenced():
+                why = (
+                    "every node's agent fenced its ranks and waits for a new generation (the store was out of "
+                    "reach of them all): "
                 )
+            else:
+                why = None
+            if why is not None:
+                generation += 1
+                log(f"{why}restarting every rank from the checkpoint (generation {generation})")
                 emit("restarting", generation=generation)
                 host.start(generation)
                 continue

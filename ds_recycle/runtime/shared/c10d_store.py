@@ -50,6 +50,20 @@ def _timed_out() -> type[Exception]:
     return DistStoreError
 
 
+def _trusted(seal: Seal, key: str, value: bytes, what: str | None = None) -> bytes:
+    """The record sealed in ``value`` at ``key``; raises ForgedRecord naming it (``what``, default
+    the key) when its seal is not the job's."""
+    record = seal.open(key, value)
+    if record is not None:
+        return record
+    if what is not None:
+        raise ForgedRecord(f"{what} is not sealed with this job's token")
+    raise ForgedRecord(
+        f"the record at {key!r} (generation {seal.generation}) is not sealed with this job's token: "
+        "a process without the token wrote into the job's store, and the protocol cannot go on past it"
+    )
+
+
 class C10dStoreRoot(StoreRoot):
     """The root of a c10d store (a client without a generation prefix)."""
 
@@ -71,10 +85,8 @@ class C10dStoreRoot(StoreRoot):
     def running_generation(self) -> int | None:
         if not self.client.check([keys.GENERATION]):
             return None
-        value = self.seal.open(keys.GENERATION, self.client.get(keys.GENERATION))
-        if value is None:
-            raise ForgedRecord(f"the store's generation ({keys.GENERATION!r}) is not sealed with this job's token")
-        return int(value)
+        what = f"the store's generation ({keys.GENERATION!r})"
+        return int(_trusted(self.seal, keys.GENERATION, self.client.get(keys.GENERATION), what))
 
     def start_generation(self, generation: int) -> None:
         self.client.set(keys.GENERATION, self.seal.seal(keys.GENERATION, str(generation)))
@@ -87,10 +99,7 @@ class C10dStoreRoot(StoreRoot):
         key = keys.check_in_key(node)
         if not self.client.check([key]):
             return None
-        value = self.seal.open(key, self.client.get(key))
-        if value is None:
-            raise ForgedRecord(f"the check-in of node {node} is not sealed with this job's token")
-        return CheckIn.from_json(value)
+        return CheckIn.from_json(_trusted(self.seal, key, self.client.get(key), f"the check-in of node {node}"))
 
     def withdraw_check_in(self, node: int) -> None:
         self.client.delete_key(keys.check_in_key(node))
@@ -126,24 +135,15 @@ class C10dJobStore(JobStore):
     def _put_many(self, names: list[str], texts: list[str]) -> None:
         self.client.multi_set(names, [self.seal.seal(key, text) for key, text in zip(names, texts, strict=True)])
 
-    def _trusted(self, key: str, value: bytes) -> bytes:
-        record = self.seal.open(key, value)
-        if record is None:
-            raise ForgedRecord(
-                f"the record at {key!r} (generation {self.seal.generation}) is not sealed with this job's token: "
-                "a process without the token wrote into the job's store, and the protocol cannot go on past it"
-            )
-        return record
-
-    def _read(self, key: str) -> bytes:
+    def _read(self, key: str, what: str | None = None) -> bytes:
         """The record at ``key`` (blocking until it is written, as ``get`` does)."""
-        return self._trusted(key, self.client.get(key))
+        return _trusted(self.seal, key, self.client.get(key), what)
 
     def _read_many(self, names: list[str]) -> list[bytes]:
-        return [self._trusted(key, value) for key, value in zip(names, self.client.multi_get(names), strict=True)]
+        return [_trusted(self.seal, key, value) for key, value in zip(names, self.client.multi_get(names), strict=True)]
 
-    def _read_if_set(self, key: str) -> bytes | None:
-        return self._read(key) if self.client.check([key]) else None
+    def _read_if_set(self, key: str, what: str | None = None) -> bytes | None:
+        return self._read(key, what) if self.client.check([key]) else None
 
     def _inbox(self, key: str) -> bytes | None:
         """A record anyone may post (a request, a report, an order): None when absent or when its
@@ -158,7 +158,7 @@ class C10dJobStore(JobStore):
 
     def _first(self, key: str, text: str) -> bytes:
         """The record at ``key``: ``text`` if it is the first written there, else the first."""
-        return self._trusted(key, self.client.compare_set(key, "", self.seal.seal(key, text)))
+        return _trusted(self.seal, key, self.client.compare_set(key, "", self.seal.seal(key, text)))
 
     def _wait(self, key: str, seconds: float) -> bool:
         """Block until ``key`` is set (True), or ``seconds`` passed (False): the server answers when
@@ -246,15 +246,19 @@ class C10dJobStore(JobStore):
     def read_copy(self, seen: int, count: int, copied_epoch: int) -> NodeCopy:
         names = [keys.change_key(seq) for seq in range(seen, count)]
         values = list(self.client.multi_get(names)) if names else []
-        failure = any(Change.from_json(self._trusted(n, v)).kind == FAILED for n, v in zip(names, values, strict=True))
+        failure = any(
+            Change.from_json(_trusted(self.seal, n, v)).kind == FAILED for n, v in zip(names, values, strict=True)
+        )
         current = self.client.get(keys.CURRENT_EPOCH)
-        epoch = int(self._trusted(keys.CURRENT_EPOCH, current))
+        epoch = int(_trusted(self.seal, keys.CURRENT_EPOCH, current))
         if epoch > copied_epoch:
             record = self.client.get(keys.epoch_key(epoch))
             names.append(keys.epoch_key(epoch))
             values.append(record)
             if epoch > 0:
-                made_by = keys.decision_key(epoch - 1, Membership.from_json(self._trusted(names[-1], record)).iteration)
+                made_by = keys.decision_key(
+                    epoch - 1, Membership.from_json(_trusted(self.seal, names[-1], record)).iteration
+                )
                 if self.client.check([made_by]):
                     names.append(made_by)
                     values.append(self.client.get(made_by))
@@ -320,13 +324,7 @@ class C10dJobStore(JobStore):
         return requests, reports
 
     def posted_request(self, index: int) -> bytes | None:
-        key = keys.request_key(index)
-        if not self.client.check([key]):
-            return None
-        value = self.seal.open(key, self.client.get(key))
-        if value is None:
-            raise ForgedRecord(f"request {index} is not sealed with this job's token")
-        return value
+        return self._read_if_set(keys.request_key(index), f"request {index}")
 
     def post_report(self, report: AgentReport) -> int:
         index = int(self.client.add(keys.REPORT_COUNT, 1))
@@ -334,13 +332,8 @@ class C10dJobStore(JobStore):
         return index
 
     def report(self, index: int) -> AgentReport | None:
-        key = keys.report_key(index)
-        if not self.client.check([key]):
-            return None
-        value = self.seal.open(key, self.client.get(key))
-        if value is None:
-            raise ForgedRecord(f"agent report {index} is not sealed with this job's token")
-        return AgentReport.from_json(value)
+        value = self._read_if_set(keys.report_key(index), f"agent report {index}")
+        return None if value is None else AgentReport.from_json(value)
 
     def save_cursor(self, request: int, report: int) -> None:
         self._put(keys.COORDINATOR_CURSOR, json.dumps([request, report]))
@@ -403,7 +396,7 @@ class C10dJobStore(JobStore):
     def claim_forwarding(self, epoch: int, slot: int, survivors: list[int]) -> bool:
         key, me = keys.progress_forwarder_key(epoch), self.seal.seal(keys.progress_forwarder_key(epoch), str(slot))
         claim = self.client.compare_set(key, "", me)
-        if claim != me and int(self._trusted(key, claim)) not in survivors:
+        if claim != me and int(_trusted(self.seal, key, claim)) not in survivors:
             claim = self.client.compare_set(key, claim, me)
         return claim == me
 
