@@ -244,8 +244,12 @@ class Gateway:
         self._token_valid = True
 
     def _bounds(self, deadline: float) -> tuple[float, float]:
+        """(connect, read) timeouts of one attempt. The read gets at most half of what is left, so
+        that a request stuck at a member that lost its leader leaves time for a retry elsewhere
+        within the operation's deadline."""
         remaining = max(deadline - time.monotonic(), 0.05)  # past the deadline: one quick last try
-        return min(CONNECT_TIMEOUT_SECONDS, remaining), min(self.config.attempt_timeout, remaining)
+        read = min(self.config.attempt_timeout, max(remaining / 2, 0.05))
+        return min(CONNECT_TIMEOUT_SECONDS, remaining), read
 
     def call(self, path: str, body: dict[str, Any], deadline: float, what: str) -> dict[str, Any]:
         """POST ``body`` to ``/v3/<path>`` on the current endpoint, moving to the next on a failure,
