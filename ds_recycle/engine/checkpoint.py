@@ -18,6 +18,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ds_recycle.log import logger
 from ds_recycle.runtime.rank import checkpoints, exit_guard
+from ds_recycle.runtime.rank.waiting import Waiter
 from ds_recycle.runtime.shared import keys
 
 
@@ -51,6 +52,7 @@ class Checkpointer:
     def save(self, save_dir, tag, client_state, save_latest: bool, exclude_frozen_parameters: bool):
         engine = self.engine
         tag = str(tag or f"global_step{engine.global_steps}")
+        Waiter.stop_if_abandoned(f"the checkpoint {tag}")  # before DeepSpeed's first barrier
         if not engine.grid.failed:
             saved = self._save(save_dir, tag, client_state, False, exclude_frozen_parameters)
         else:

@@ -34,7 +34,7 @@ import functools
 import time
 from collections.abc import Callable
 from types import MethodType, SimpleNamespace
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 import torch.utils.checkpoint
@@ -94,8 +94,12 @@ class Runtime(Protocol):
 
     def train_batch(self, run: Callable[[], torch.Tensor], checkpoint: Callable[[], None]) -> torch.Tensor: ...
 
+    def between_iterations(self, call: Callable[[], object], what: str) -> object: ...
+
     def publish_status(self) -> None: ...
 
+
+T = TypeVar("T")
 
 _EXTRA_BUFFERS = ("losses", "grads", "input_grads", "weight_work")
 TRAIN_BATCH_TIMER = "train_batch"
@@ -306,11 +310,34 @@ class RecyclePipelineEngine(PipelineEngine):
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
         """DeepSpeed's checkpoint; while workers are missing, each stage's lowest live replica
-        writes the stage (:class:`~ds_recycle.engine.checkpoint.Checkpointer`)."""
+        writes the stage (:class:`~ds_recycle.engine.checkpoint.Checkpointer`). Called by the script
+        between iterations, a failure during it is survived and the checkpoint written whole
+        (:meth:`between_iterations`)."""
         client_state = client_state or {}
         if not self.recycle.enabled:
             return super().save_checkpoint(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
-        return self.checkpointer.save(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        save = functools.partial(
+            self.checkpointer.save, save_dir, tag, client_state, save_latest, exclude_frozen_parameters
+        )
+        return self.between_iterations(save, f"the checkpoint in {save_dir} at iteration {self.global_steps}")
+
+    def _save_checkpoint(self, save_dir, tag, client_state=None, exclude_frozen_parameters=False):
+        """DeepSpeed's writing of this rank's files; a save abandoned after a failure while it wrote
+        goes no further (its next barrier would run on the survivors' new world,
+        :meth:`~ds_recycle.runtime.rank.waiting.Waiter.stop_if_abandoned`)."""
+        super()._save_checkpoint(
+            save_dir, tag, client_state=client_state or {}, exclude_frozen_parameters=exclude_frozen_parameters
+        )
+        Waiter.stop_if_abandoned(f"the checkpoint {tag}")
+
+    def between_iterations(self, call: Callable[[], T], what: str) -> T:
+        """``call()``, a collective call of the script's between two iterations (a save). Under
+        ``ds-recycle launch`` a failure during it is recovered and it runs again on the new plan
+        (:meth:`~ds_recycle.runtime.rank.recovery.RankRuntime.between_iterations`); ``what`` names
+        it in the log."""
+        if self.runtime is None:
+            return call()
+        return self.runtime.between_iterations(call, what)
 
     def _set_distributed_vars(self, args) -> None:
         """DeepSpeed's, except that on a host with more ranks than GPUs (tests on one GPU) the ranks

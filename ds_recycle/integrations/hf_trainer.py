@@ -33,6 +33,7 @@ How it runs:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -52,6 +53,7 @@ from transformers.utils import logging as hf_logging
 from ds_recycle.config import RecycleConfig, RecycleConfigError, WandbMonitorConfig
 from ds_recycle.integrations.hf_model import causal_lm_pipeline, load_hf_state_dict, pipeline_batch, to_hf_state_dict
 from ds_recycle.integrations.wandb import share_run_through_environment
+from ds_recycle.runtime.rank.waiting import Waiter
 
 AUTO = "auto"
 _JOINED = "<re-joined a running job>"
@@ -608,6 +610,14 @@ class RecycleTrainer(Trainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         self.engine.save_checkpoint(output_dir)
 
+    def _save_checkpoint(self, model, trial) -> None:
+        """HF's ``checkpoint-N``, whole through a failure while it is written: the survivors
+        recover and write it again (``engine.between_iterations``)."""
+        self.engine.between_iterations(
+            lambda: super(RecycleTrainer, self)._save_checkpoint(model, trial),
+            f"the Trainer's checkpoint-{self.state.global_step}",
+        )
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """A HF checkpoint that ``from_pretrained`` loads: one safetensors shard per stage (written
         by the stage's first data-parallel replica, with HF names), then the index and
@@ -615,19 +625,33 @@ class RecycleTrainer(Trainer):
         output_dir = output_dir or self.args.output_dir
         if self.engine is None:
             raise RuntimeError("save_model needs the engine: call train() first")
-        save_hf_checkpoint(self.engine, self.model, self.hf_config, output_dir, self.is_world_process_zero())
+        save_hf_checkpoint(self.engine, self.model, self.hf_config, output_dir)
         if self.processing_class is not None and self.is_world_process_zero():
             self.processing_class.save_pretrained(output_dir)
         if self.is_world_process_zero():
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
 
 
-def save_hf_checkpoint(engine, module: PipelineModule, hf_config, output_dir: str, leader: bool) -> None:
-    """Write ``module``'s weights (all stages) as a sharded HF safetensors checkpoint."""
+def save_hf_checkpoint(engine, module: PipelineModule, hf_config, output_dir: str, leader: bool | None = None) -> None:
+    """Write ``module``'s weights (all stages) as a sharded HF safetensors checkpoint; call it on
+    every rank. ``leader``: whether this rank writes the index and ``config.json`` (default: the
+    engine's lowest live rank). A ReCycle engine survives a failure during it and writes it again
+    on the new plan, leader and writers chosen anew."""
+    write = functools.partial(_write_hf_checkpoint, engine, module, hf_config, output_dir, leader)
+    between = getattr(engine, "between_iterations", None)
+    if between is None:
+        return write()
+    return between(write, f"the HF checkpoint in {output_dir}")
+
+
+def _write_hf_checkpoint(engine, module: PipelineModule, hf_config, output_dir: str, leader: bool | None) -> None:
     from deepspeed import comm as dist
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    if leader is None:
+        lowest = getattr(engine, "is_lowest_live_rank", None)
+        leader = lowest() if lowest is not None else engine.global_rank == 0
     stages = engine.num_stages
     shard = f"model-{engine.stage_id + 1:05d}-of-{stages:05d}.safetensors"
     os.makedirs(output_dir, exist_ok=True)
@@ -636,6 +660,7 @@ def save_hf_checkpoint(engine, module: PipelineModule, hf_config, output_dir: st
     if (live[0] == grid.worker) if live else grid.get_data_parallel_rank() == 0:  # the stage's lowest live replica
         tensors = {k: v.detach().contiguous().cpu().clone() for k, v in to_hf_state_dict(module).items()}
         save_file(tensors, os.path.join(output_dir, shard), metadata={"format": "pt"})
+    Waiter.stop_if_abandoned(f"the HF checkpoint in {output_dir}")  # its barrier would be the new world's
     dist.barrier()
     if not leader:
         return

@@ -26,6 +26,8 @@ Options that the driver sets:
   that the survivors then commit);
 - ``--data dataset --helpers``: a map-style ``training_data`` and helper processes beside the
   engine (two DataLoader workers and a forked process), as training scripts have;
+- ``--save-every N``: the script saves ``engine.save_checkpoint(out/saves)`` after every N-th
+  iteration, as a DeepSpeed script does;
 - ``hold`` (a file): wait at the boundary after that many iterations (the driver's pacing).
 """
 
@@ -55,6 +57,9 @@ def parse_args() -> argparse.Namespace:
         "--data", choices=["provider", "dataset"], default="provider", help="training_data: a provider or a dataset"
     )
     parser.add_argument("--helpers", action="store_true", help="start helper processes, as a script would")
+    parser.add_argument(
+        "--save-every", type=int, default=0, help="engine.save_checkpoint(out/saves) after every N-th iteration"
+    )
     return parser.parse_args()
 
 
@@ -143,6 +148,8 @@ def main() -> None:
             digests[engine.global_steps] = parameter_digest(engine)
             if args.timings:
                 record_call(calls, engine, began)
+            if args.save_every and engine.global_steps % args.save_every == 0:
+                engine.save_checkpoint(str(args.out / "saves"))  # a DeepSpeed script's own checkpoint
             save()
             report_progress(args.out, slot, engine.global_steps)
         record["finished"] = True

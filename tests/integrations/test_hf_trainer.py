@@ -269,3 +269,84 @@ def test_a_killed_rank_rejoins_and_the_trainer_takes_up_the_job(runs, tmp_path, 
         for (step, loss), (_, want) in zip(logged, reference, strict=True):
             assert loss == pytest.approx(want, rel=1e-5), f"rank {rank} step {step}"
     assert_fault_free_evaluation({rank: torch.load(out / "dump" / f"rank{rank}.pt") for rank in range(WORLD)}, full)
+
+
+@pytest.mark.parametrize(("victim", "sig"), [(0, signal.SIGKILL), (3, signal.SIGSTOP)], ids=["leader-killed", "hung"])
+def test_a_failure_while_the_trainer_saves_is_survived_and_the_checkpoint_written_whole(runs, tmp_path, victim, sig):
+    """Rank ``victim`` parks inside checkpoint-3's DeepSpeed save (after DeepSpeed's first barrier,
+    before it writes its files) while the other ranks go on to wait for it in DeepSpeed's next
+    barrier; it is SIGKILLed (the leader, who writes ``latest``, the index and the Trainer state) or
+    SIGSTOPped (a hang, found by the heartbeat) from outside. The survivors recover inside the save,
+    write checkpoint-3 again on the new plan and train on: checkpoint-3 holds the fault-free run's
+    checkpoint-3 bit for bit, and the survivors end with the fault-free parameters and losses."""
+    from ds_recycle.testing.jobs import Job
+
+    out = tmp_path / "save"
+    argv = [str(HERE / "hf_kill_worker.py"), *example_arguments(out)]
+    job = Job(tmp_path, 2, 2, STEPS, {}, argv=argv, timeout=TIMEOUT, env=hf_environment(out), respawn=False)
+    job.env |= {"HF_PROGRESS_DIR": str(job.out), "HF_TRAP": f"{victim}:checkpoint:3"}
+    job.launcher_args = ["--heartbeat-min-timeout", "3"]
+    job.start()
+    try:
+        job.signal_when_trapped(victim, sig)
+        job.wait_for_event("exited", slot=victim, signal="SIGKILL")  # a hung rank is killed by its agent
+    except BaseException:
+        job.kill()
+        raise
+    assert job.finish() == 0, job.log_tail()
+    failure = ": heartbeat stale" if sig == signal.SIGSTOP else ""
+    assert job.count(rf"published failure of slot {victim}{failure}") == 1, job.log_tail()
+    saving = r"stopped by a failure at iteration 3: (a failure was announced during )?the Trainer's checkpoint-3"
+    assert job.count_in_rank_logs(saving) == WORLD - 1, job.log_tail()
+
+    full_out, full = runs["full"]
+    assert_same_checkpoint(out / "checkpoint-3", full_out / "checkpoint-3")
+    survivors = [rank for rank in range(WORLD) if rank != victim]
+    reference = [(h["step"], h["loss"]) for h in full[0]["log_history"] if "loss" in h]
+    for rank in survivors:
+        dump = torch.load(out / "dump" / f"rank{rank}.pt")
+        assert dump["global_step"] == STEPS and dump["leader"] == (rank == min(survivors))
+        for name, value in full[rank]["params"].items():
+            torch.testing.assert_close(dump["params"][name], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+        logged = [(h["step"], h["loss"]) for h in dump["log_history"] if "loss" in h]
+        assert [step for step, _ in logged] == list(range(1, STEPS + 1)), f"rank {rank}: {logged}"
+        for (step, loss), (_, want) in zip(logged, reference, strict=True):
+            assert loss == pytest.approx(want, rel=1e-5), f"rank {rank} step {step}"
+
+
+def assert_same_checkpoint(got: Path, want: Path) -> None:
+    """Every file of ``want`` is in ``got``; tensors (DeepSpeed's and the safetensors shards) equal
+    bit for bit, ``latest`` the same, and the Trainer state at the same step."""
+    from safetensors.torch import load_file
+
+    names = sorted(str(p.relative_to(want)) for p in want.rglob("*") if p.is_file())
+    missing = [name for name in names if not (got / name).is_file()]
+    assert not missing, f"{got} lacks {missing}"
+    assert (got / "latest").read_text() == (want / "latest").read_text() == "global_step3"
+    for name in names:
+        if name.endswith(".safetensors"):
+            a, b = load_file(got / name), load_file(want / name)
+        elif name.startswith("global_step3/"):
+            a, b = (
+                _tensors(torch.load(got / name, weights_only=False)),
+                _tensors(torch.load(want / name, weights_only=False)),
+            )
+        else:
+            continue
+        assert sorted(a) == sorted(b), name
+        for key in a:
+            assert torch.equal(a[key], b[key]), f"{name}: {key}"
+    assert json.loads((got / "trainer_state.json").read_text())["global_step"] == 3
+
+
+def _tensors(value, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The tensors of a saved object, by their path in it."""
+    if isinstance(value, torch.Tensor):
+        return {prefix: value}
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return {}
+    return {k: v for key, item in items for k, v in _tensors(item, f"{prefix}/{key}").items()}

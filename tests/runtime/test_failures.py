@@ -349,12 +349,44 @@ def test_a_joiner_gives_up_when_a_member_dies_before_its_state_arrives(tmp_path,
     assert prefetched == job.count_in_rank_logs(changes) >= 4, job.log_tail()  # 2 changes x 2 survivors
 
 
+def test_a_failure_while_the_script_saves_a_checkpoint_is_recovered_and_the_checkpoint_written_whole(
+    tmp_path, tmp_path_factory
+):
+    """pp=2 x dp=2, the script calling ``engine.save_checkpoint`` every 4 iterations between
+    ``train_batch`` calls, as a DeepSpeed script does. Worker (0, 1) is SIGKILLed inside the save
+    after iteration 8 (after DeepSpeed's first barrier, before it writes its files) while its peers
+    wait in DeepSpeed's next barrier: the survivors recover inside the save, write global_step8
+    again on the new plan (the live replica writes the dead worker's stage), and train on; the
+    respawn re-joins and the job ends equal to a fault-free run."""
+    pp, dp = 2, 2
+    reference = fault_free(tmp_path_factory, pp, dp, STEPS, "adam")
+    killed = slot(dp, 0, 1)
+    job = Job(tmp_path, pp, dp, STEPS, job_config(), "adam", traps=[f"{killed}:checkpoint:8"])
+    job.worker_args = ["--save-every", "4"]
+    job.start()
+    try:
+        run_faults(job, [([killed], signal.SIGKILL)])
+    except BaseException:
+        job.kill()
+        raise
+    check(job, reference, 1)
+    saving = r"stopped by a failure at iteration 8: (a failure was announced during )?the checkpoint in "
+    assert job.count_in_rank_logs(saving) == pp * dp - 1, job.log_tail()
+    saves = job.out / "saves"
+    assert (saves / "latest").read_text() == f"global_step{STEPS}"
+    written, whole = (
+        sorted(path.name for path in (saves / tag).iterdir()) for tag in ("global_step8", f"global_step{STEPS}")
+    )
+    assert written == whole and [name for name in written if name.startswith("layer_")], (written, whole)
+
+
 def test_a_failure_while_a_checkpoint_is_written_is_recovered_and_latest_stays_whole(tmp_path, tmp_path_factory):
     """pp=2 x dp=2 with recycle.checkpoint every 4 iterations. Worker (0, 1) is SIGKILLed and later
     worker (1, 0) SIGSTOPped inside DeepSpeed's save_checkpoint (after its first barrier, before the
     rank writes its files), while their peers wait in DeepSpeed's blocking barriers. Both are
     detected as any failure is (the hang at the 3 s heartbeat timeout, not at the group's 120 s):
-    the survivors abandon that checkpoint, go on without the worker, and the respawn re-joins.
+    the survivors abandon that checkpoint, go on without the worker, and the respawn re-joins. The
+    iteration every survivor had finished is kept: its ``train_batch`` returns, one iteration per call.
     ``latest`` only ever names a checkpoint whose files every stage wrote; the job ends equal to a
     fault-free run."""
     pp, dp = 2, 2
@@ -378,6 +410,9 @@ def test_a_failure_while_a_checkpoint_is_written_is_recovered_and_latest_stays_w
         assert re.search(rf"abandons the checkpoint at iteration {iteration}: ", logs), logs[-3000:]
     check(job, reference, 2)
     assert job.count(rf"published failure of slot {hung}: heartbeat stale") == 1, "the SIGSTOP is a hang"
+    for record in job.records():  # every survivor had finished the iteration: each call ran one
+        if record["incarnation"] == 0 and record["slot"] not in (killed, hung):
+            assert sorted(record["losses"]) == list(range(STEPS)), f"slot {record['slot']}: {sorted(record['losses'])}"
     tag = (checkpoints / "latest").read_text()
     assert tag == f"global_step{STEPS}", tag
     written = sorted(path.name for path in (checkpoints / tag).iterdir())

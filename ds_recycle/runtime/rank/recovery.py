@@ -259,6 +259,17 @@ class RankRuntime:
                     raise
                 self._leave_after_helper_death(error)
 
+    def between_iterations(self, call: Callable[[], T], what: str) -> T:
+        """A collective call that the script makes between two iterations (a checkpoint it saves, the
+        HF Trainer's ``checkpoint-N``): ``call()`` runs under the engine's waiter, and a failure
+        during it is recovered as one during an iteration (every survivor is at the same boundary,
+        so nothing is rolled back); then ``call()`` runs again on the new plan, so what it writes is
+        written whole, by the survivors. A call made inside one (the HF Trainer's checkpoint saves
+        the engine's) is part of the outer one and runs as it is."""
+        if self.engine.waiter.inside_blocking_call():
+            return call()
+        return self.run(lambda: self.engine.waiter.blocking(call, what))
+
     def train_batch(self, run: Callable[[], torch.Tensor], checkpoint: Callable[[], None]) -> torch.Tensor:
         """Run one iteration to its committed end, through any failures and membership changes.
 
@@ -266,17 +277,26 @@ class RankRuntime:
         decision, among the members that ran the iteration (a joiner admitted at that boundary has
         no part in it). A failure while it is written is recovered like any other; that checkpoint
         is abandoned (``latest`` still names the previous one) and the next is written at its
-        interval."""
-        began = time.time()
+        interval.
+
+        A failure after every survivor finished the iteration (in the checkpoint, at the boundary)
+        keeps it: the call returns its loss rather than run the next one, whose boundary then takes
+        the changes still pending."""
+        began, start = time.time(), self.engine.global_steps
+        finished: list[torch.Tensor] = []
 
         def iteration() -> torch.Tensor:
-            loss = run()
+            finished.clear()
+            finished.append(run())
             self.agent.publish_iteration_seconds(time.time() - began)
             self._checkpoint(checkpoint)
             self._at_boundary()
-            return loss
+            return finished[0]
 
-        return self.run(iteration)
+        def kept() -> torch.Tensor | None:
+            return finished[0] if finished and self.engine.global_steps > start else None
+
+        return self.run(iteration, kept)
 
     def _checkpoint(self, checkpoint: Callable[[], None]) -> None:
         iteration = self.engine.global_steps

@@ -47,6 +47,9 @@ WAIT_BOUND_SECONDS = 120.0
 """The longest wait for one op when no failure is announced; the process groups' timeout too
 (``runtime/rank/groups.py``), but the pairs', which never time out."""
 
+_blocking_thread = threading.local()
+"""``abandoned``: in a thread that runs a :meth:`Waiter.blocking` call, set when its caller gives up on it."""
+
 
 @dataclass
 class FailureWatcher:
@@ -210,15 +213,18 @@ class Waiter:
 
     def blocking(self, call: Callable[[], object], what: str) -> object:
         """``call()``'s result; it runs in a thread of its own so that a failure announced while it
-        blocks in a collective stops the caller (the thread is abandoned). A gloo error in it is a
-        failure; any other error is raised as it is."""
+        blocks in a collective stops the caller (the thread is abandoned, and stops at its next
+        :meth:`stop_if_abandoned`). A gloo error in it is a failure; any other error is raised as
+        it is."""
         self.check(what)
         outcome: list = []
         device = _cuda_device()
+        abandoned = threading.Event()
 
         def target() -> None:
             if device is not None:
                 torch.cuda.set_device(device)  # the current device is the thread's own
+            _blocking_thread.abandoned = abandoned
             try:
                 outcome.append((True, call()))
             except BaseException as error:  # reported to the waiting caller
@@ -229,6 +235,7 @@ class Waiter:
         spins = 0
         while thread.is_alive():
             if self.failed.is_set():
+                abandoned.set()
                 exit_guard.abandoned(thread)
                 raise PeerFailure(f"a failure was announced during {what}")
             spins += 1
@@ -239,6 +246,22 @@ class Waiter:
         if isinstance(value, RuntimeError):  # gloo reports a closed peer so
             raise PeerFailure(f"{what}: {value}") from value
         raise value
+
+    @staticmethod
+    def inside_blocking_call() -> bool:
+        """Whether the calling thread runs a :meth:`blocking` call (or was abandoned in one)."""
+        return getattr(_blocking_thread, "abandoned", None) is not None
+
+    @staticmethod
+    def stop_if_abandoned(what: str) -> None:
+        """In a :meth:`blocking` call's thread that its caller gave up on, raise
+        :class:`PeerFailure`. A call abandoned while it wrote files (a checkpoint's shards take
+        seconds) would otherwise go on to its next collective, which runs on the world current
+        then: after the recovery, the survivors' new one, out of turn. Code that ReCycle owns
+        calls this before each such collective."""
+        abandoned = getattr(_blocking_thread, "abandoned", None)
+        if abandoned is not None and abandoned.is_set():
+            raise PeerFailure(f"{what}: abandoned after a failure was announced")
 
     def _on_nccl_helper(self, start, what: str) -> None:
         """Start the op and poll it to completion in the NCCL helper thread (module doc)."""
