@@ -252,8 +252,7 @@ class RecycleTrainer(Trainer):
         """The engine's lowest live rank (before the engine exists: rank 0)."""
         if self.engine is None:
             return super().is_world_process_zero()
-        lowest = getattr(self.engine, "is_lowest_live_rank", None)
-        return lowest() if lowest is not None else self.engine.global_rank == 0
+        return _leads(self.engine)
 
     def _follow_leader(self) -> None:
         """After a membership change the leader may be a new process: give it the progress bar, and
@@ -644,14 +643,20 @@ def save_hf_checkpoint(engine, module: PipelineModule, hf_config, output_dir: st
     return between(write, f"the HF checkpoint in {output_dir}")
 
 
+def _leads(engine) -> bool:
+    """Whether this rank is the one that logs and saves: the engine's lowest live rank (a stock
+    DeepSpeed engine's rank 0)."""
+    lowest = getattr(engine, "is_lowest_live_rank", None)
+    return lowest() if lowest is not None else engine.global_rank == 0
+
+
 def _write_hf_checkpoint(engine, module: PipelineModule, hf_config, output_dir: str, leader: bool | None) -> None:
     from deepspeed import comm as dist
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     if leader is None:
-        lowest = getattr(engine, "is_lowest_live_rank", None)
-        leader = lowest() if lowest is not None else engine.global_rank == 0
+        leader = _leads(engine)
     stages = engine.num_stages
     shard = f"model-{engine.stage_id + 1:05d}-of-{stages:05d}.safetensors"
     os.makedirs(output_dir, exist_ok=True)

@@ -258,16 +258,10 @@ def test_a_killed_rank_rejoins_and_the_trainer_takes_up_the_job(runs, tmp_path, 
     assert job.count(rf"rank {killed} respawned") == 1, "one respawn, no crash loop"
     assert job.count_in_rank_logs(r"RecycleTrainer: re-joined at step \d+") == 1, job.log_tail()
     _, full = runs["full"]
-    reference = [(h["step"], h["loss"]) for h in full[0]["log_history"] if "loss" in h]
     for rank in range(WORLD):
         dump = torch.load(out / "dump" / f"rank{rank}.pt")
-        assert dump["global_step"] == STEPS and dump["leader"] == (rank == 0)  # the lowest live rank leads
-        for name, value in full[rank]["params"].items():
-            torch.testing.assert_close(dump["params"][name], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
-        logged = [(h["step"], h["loss"]) for h in dump["log_history"] if "loss" in h]
-        assert [step for step, _ in logged] == list(range(1, STEPS + 1)), f"rank {rank}: {logged}"
-        for (step, loss), (_, want) in zip(logged, reference, strict=True):
-            assert loss == pytest.approx(want, rel=1e-5), f"rank {rank} step {step}"
+        assert dump["leader"] == (rank == 0)  # the lowest live rank leads
+        assert_fault_free_training(dump, full, rank)
     assert_fault_free_evaluation({rank: torch.load(out / "dump" / f"rank{rank}.pt") for rank in range(WORLD)}, full)
 
 
@@ -302,16 +296,23 @@ def test_a_failure_while_the_trainer_saves_is_survived_and_the_checkpoint_writte
     full_out, full = runs["full"]
     assert_same_checkpoint(out / "checkpoint-3", full_out / "checkpoint-3", dead=victim)
     survivors = [rank for rank in range(WORLD) if rank != victim]
-    reference = [(h["step"], h["loss"]) for h in full[0]["log_history"] if "loss" in h]
     for rank in survivors:
         dump = torch.load(out / "dump" / f"rank{rank}.pt")
-        assert dump["global_step"] == STEPS and dump["leader"] == (rank == min(survivors))
-        for name, value in full[rank]["params"].items():
-            torch.testing.assert_close(dump["params"][name], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
-        logged = [(h["step"], h["loss"]) for h in dump["log_history"] if "loss" in h]
-        assert [step for step, _ in logged] == list(range(1, STEPS + 1)), f"rank {rank}: {logged}"
-        for (step, loss), (_, want) in zip(logged, reference, strict=True):
-            assert loss == pytest.approx(want, rel=1e-5), f"rank {rank} step {step}"
+        assert dump["leader"] == (rank == min(survivors))
+        assert_fault_free_training(dump, full, rank)
+
+
+def assert_fault_free_training(dump: dict, full: dict[int, dict], rank: int) -> None:
+    """Rank ``rank`` trained every step, ended with the fault-free run's parameters and logged its
+    losses for every step."""
+    assert dump["global_step"] == STEPS
+    for name, value in full[rank]["params"].items():
+        torch.testing.assert_close(dump["params"][name], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+    reference = [(h["step"], h["loss"]) for h in full[0]["log_history"] if "loss" in h]
+    logged = [(h["step"], h["loss"]) for h in dump["log_history"] if "loss" in h]
+    assert [step for step, _ in logged] == list(range(1, STEPS + 1)), f"rank {rank}: {logged}"
+    for (step, loss), (_, want) in zip(logged, reference, strict=True):
+        assert loss == pytest.approx(want, rel=1e-5), f"rank {rank} step {step}"
 
 
 def assert_same_checkpoint(got: Path, want: Path, dead: int) -> None:
