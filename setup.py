@@ -30,5 +30,5 @@ setup(
         # so the range is the one tested.
         "hf": ["transformers>=5.23,<6", "accelerate>=1.15,<2", "safetensors"],
     },
-    entry_points={"console_scripts": ["ds-recycle=ds_recycle.cli:main"]},
+    entry_points={"console_scripts": ["ds-recycle=ds_recycle.cli:console"]},
 )

@@ -23,9 +23,11 @@ A command imports what it needs inside its ``run``.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from ds_recycle.cli import coordinator, launch, plan, simulate, status
 from ds_recycle.cli.common import USAGE_ERROR, Command, Parser, UsageError, store_once
@@ -33,7 +35,9 @@ from ds_recycle.runtime.shared.transport import QUIET_STORE_ENV
 
 COMMANDS: dict[str, Command] = {
     "plan": Command(help=plan.HELP, add_arguments=plan.add_arguments, run=plan.run),
-    "launch": Command(help=launch.HELP, add_arguments=launch.add_arguments, run=launch.run),
+    "launch": Command(
+        help=launch.HELP, add_arguments=launch.add_arguments, run=launch.run, exits_without_teardown=True
+    ),
     "simulate": Command(help=simulate.HELP, add_arguments=simulate.add_arguments, run=simulate.run),
     "coordinator": Command(help=coordinator.HELP, add_arguments=coordinator.add_arguments, run=coordinator.run),
     "status": Command(help=status.HELP, add_arguments=status.add_arguments, run=status.run),
@@ -43,18 +47,39 @@ COMMANDS: dict[str, Command] = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``ds-recycle`` on ``argv`` (default: the command line); returns the exit code."""
+    return _run(argv)[0]
+
+
+def console() -> NoReturn:
+    """The ``ds-recycle`` script and ``python -m ds_recycle.cli``: :func:`main` on the command line,
+    then the exit. A ``launch`` agent has ended every rank and written its end to the coordinator's
+    store when ``run`` returns; its process then ends at once, without the interpreter's teardown
+    (torch's takes about 0.4 s). Node 0's agent waits for that end and may then end a Slurm job,
+    whose remaining steps get SIGTERM: a re-admitted agent still tearing down would report 143 for a
+    node that ended 0."""
+    code, command = _run(None)
+    if command is not None and command.exits_without_teardown:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+def _run(argv: Sequence[str] | None) -> tuple[int, Command | None]:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse already printed its one line to stderr (or the help)
-        return int(exc.code) if isinstance(exc.code, int) else USAGE_ERROR
+        return (int(exc.code) if isinstance(exc.code, int) else USAGE_ERROR), None
     for name, value in QUIET_STORE_ENV.items():  # before a command imports torch: the launcher and
         os.environ.setdefault(name, value)  # the coordinator wait on the store in bounded slices
+    command = COMMANDS[args.command]
     try:
-        return COMMANDS[args.command].run(args)
+        return command.run(args), command
     except UsageError as exc:
         print(f"ds-recycle {args.command}: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return USAGE_ERROR
+        return USAGE_ERROR, None
 
 
 def build_parser() -> argparse.ArgumentParser:

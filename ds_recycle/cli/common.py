@@ -33,6 +33,9 @@ class Command:
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+    exits_without_teardown: bool = False
+    """The ``ds-recycle`` script ends this command's process as soon as ``run`` returns, without the
+    interpreter's teardown (see :func:`ds_recycle.cli.console`)."""
 
 
 class Parser(argparse.ArgumentParser):

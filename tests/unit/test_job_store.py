@@ -18,6 +18,7 @@ from ds_recycle.runtime.shared.c10d_store import C10dJobStore, C10dStoreRoot
 from ds_recycle.runtime.shared.records import (
     FAILED,
     JOIN,
+    AgentEnd,
     Change,
     CheckIn,
     Decision,
@@ -101,8 +102,8 @@ def test_requests_reports_kills_and_check_ins_read_back_in_order(address):
     job.order_kill(1, KillOrder(5, 2))
     assert job.kill_count(1) == 1 and job.kill_order(1, 1) == KillOrder(5, 2) and job.kill_order(1, 2) is None
     assert job.node_end(1) is None
-    job.end_node(1, 0)
-    assert job.node_end(1) == 0
+    job.end_node(1, AgentEnd(2, 0))
+    assert job.node_end(1) == AgentEnd(2, 0)
     root = C10dStoreRoot.connect(address, TOKEN, timeout=10.0)
     assert root.running_generation() is None and root.check_in_of(1) is None
     root.check_in(CheckIn(1, 3))

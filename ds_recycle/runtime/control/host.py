@@ -16,7 +16,8 @@ joins it through a :class:`~ds_recycle.runtime.node.link.NodeLink`. Either way o
 - writes ``world_size``, ``epoch/0``, ``pending`` and ``current_epoch`` under ``job/<g>/``, then
   the root key ``generation`` that the agents wait for, and starts the generation's coordinator
   and status page (:meth:`CoordinatorHost.start`);
-- says when the job is over on every node (:meth:`CoordinatorHost.nodes_ended`).
+- says when the job is over on every node (:meth:`CoordinatorHost.nodes_ended`), and which nodes'
+  agents still run (:meth:`CoordinatorHost.agents_running`).
 
 :func:`serve` is the whole of ``ds-recycle coordinator``: it hosts the job until every node's agent
 ended (or died), starting a new generation when the ranks asked for a restart from the checkpoint.
@@ -35,7 +36,7 @@ from ds_recycle.runtime.control.status import StatusServer
 from ds_recycle.runtime.shared import keys, transport
 from ds_recycle.runtime.shared.c10d_store import C10dJobStore, C10dStoreRoot
 from ds_recycle.runtime.shared.job_store import JobStore, StoreRoot
-from ds_recycle.runtime.shared.records import CheckIn
+from ds_recycle.runtime.shared.records import AgentEnd, CheckIn, Lease
 from ds_recycle.runtime.shared.seal import ForgedRecord
 
 CHECK_IN_POLL_SECONDS = 0.05
@@ -293,29 +294,45 @@ class CoordinatorHost:
         return keys.RESTART_EXIT_CODE in codes.values()
 
     def nodes_ended(self) -> dict[int, int | None] | None:
-        """Once every remote node's agent has ended: its exit code (None for one that died: its
-        lease lapsed without an end written). None while one is still running, or before any
+        """Once every remote node's latest agent has ended: its exit code (None for one that died:
+        its lease lapsed without an end written). None while one is still running, or before any
         has renewed a lease in this generation."""
-        store = self._store
         ended: dict[int, int | None] = {}
-        seen = False
         now = time.time()
+        for node, (lease, end) in self._remote_agents().items():
+            if end is not None:
+                ended[node] = end.code
+            elif lease is None or now - lease.time <= self.config.node_lease:
+                return None
+            else:
+                ended[node] = None
+        return ended or None
+
+    def agents_running(self) -> list[int]:
+        """The remote nodes whose latest agent holds a live lease and has not ended: node 0's agent
+        waits for them before it ends, so that the job's end (Slurm's, with its batch script's)
+        does not cut short a re-admitted agent's own."""
+        now = time.time()
+        agents = self._remote_agents().items()
+        return [
+            node
+            for node, (lease, end) in agents
+            if end is None and lease is not None and now - lease.time <= self.config.node_lease
+        ]
+
+    def _remote_agents(self) -> dict[int, tuple[Lease | None, AgentEnd | None]]:
+        """Each remote node's lease, and the end of its latest agent (an end written by an earlier
+        incarnation than the lease's does not count: the node was re-admitted since)."""
+        store = self._store
+        agents: dict[int, tuple[Lease | None, AgentEnd | None]] = {}
         for node in range(self.config.nnodes):
             if node == self.config.local_node:
                 continue
-            code = store.node_end(node)
-            if code is not None:
-                ended[node] = code
-                seen = True
-                continue
-            lease = store.lease(node)
-            if lease is None:
-                return None
-            seen = True
-            if now - lease.time <= self.config.node_lease:
-                return None
-            ended[node] = None
-        return ended if seen else None
+            lease, end = store.lease(node), store.node_end(node)
+            if end is not None and lease is not None and end.node_incarnation < lease.node_incarnation:
+                end = None
+            agents[node] = (lease, end)
+        return agents
 
     def stop(self) -> None:
         if self.coordinator is not None:

@@ -322,9 +322,7 @@ class Launcher:
             return code
         finally:
             self._kill_all()
-            if isinstance(self.coordinator, NodeLink):
-                self.coordinator.end(code)
-            elif self.coordinator is not None:
+            if self.coordinator is not None and not isinstance(self.coordinator, NodeLink):
                 self.coordinator.stop()
             if self.node_watch is not None:
                 self.node_watch.stop()
@@ -338,6 +336,8 @@ class Launcher:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
             self.events.close(code)
+            if isinstance(self.coordinator, NodeLink):
+                self.coordinator.end(code)  # last: the host waits for it, and may end the job then
 
     def results(self) -> list[RankResult]:
         return [
@@ -714,13 +714,16 @@ class Launcher:
         s.respawn_at = time.monotonic() + delay
 
     def _other_nodes_ended(self, now: float) -> bool:
-        """Node 0 hosts the store: it stays until every other node's ranks have ended (their
-        agents report it), so that none of them loses the store while it finishes (bounded)."""
+        """Node 0 hosts the store: it stays until every other node's ranks and agent have ended
+        (their agents report it), so that none of them loses the store while it finishes, and a
+        scheduler that ends the job with node 0's agent ends none of them early (bounded)."""
         if self.config.nnodes == 1:
             return True
         if self._others_deadline is None:
             self._others_deadline = now + OTHER_NODES_GRACE_SECONDS
-        return self.coordinator.all_ended() or now >= self._others_deadline
+        if now >= self._others_deadline:
+            return True
+        return self.coordinator.all_ended() and not self.host.agents_running()
 
     def _coordinator_in_doubt(self) -> bool:
         """Every rank of this node ended and the coordinator was not heard from since: they may

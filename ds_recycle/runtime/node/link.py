@@ -36,7 +36,7 @@ from ds_recycle.runtime.control.coordinator import RankExit, renew_seconds
 from ds_recycle.runtime.shared import transport
 from ds_recycle.runtime.shared.beats import read_beats
 from ds_recycle.runtime.shared.c10d_store import C10dJobStore, C10dStoreRoot
-from ds_recycle.runtime.shared.records import AgentReport, CheckIn, Lease, Membership
+from ds_recycle.runtime.shared.records import AgentEnd, AgentReport, CheckIn, Lease, Membership
 
 LEASE_WATCH_SECONDS = 0.05
 KILL_CHECK_SECONDS = 1.0
@@ -174,7 +174,7 @@ class NodeLink:
         if code is None or self.fenced:
             return
         try:
-            self._store.end_node(self.node, code)
+            self._store.end_node(self.node, AgentEnd(self.node_incarnation, code))
         except Exception:
             pass
 

@@ -25,6 +25,7 @@ from ds_recycle.runtime.shared.job_store import JobStore, NodeCopy, StoreRoot
 from ds_recycle.runtime.shared.policy import boundary_leavers
 from ds_recycle.runtime.shared.records import (
     FAILED,
+    AgentEnd,
     AgentReport,
     Change,
     CheckIn,
@@ -460,12 +461,12 @@ class C10dJobStore(JobStore):
         value = self._inbox(keys.kill_key(node, index))
         return None if value is None else KillOrder.from_json(value)
 
-    def end_node(self, node: int, code: int) -> None:
-        self._put(keys.ended_key(node), str(code))
+    def end_node(self, node: int, end: AgentEnd) -> None:
+        self._put(keys.ended_key(node), end.to_json())
 
-    def node_end(self, node: int) -> int | None:
+    def node_end(self, node: int) -> AgentEnd | None:
         value = self._read_if_set(keys.ended_key(node))
-        return None if value is None else int(value)
+        return None if value is None else AgentEnd.from_json(value)
 
     # ---- what the ranks publish --------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from ds_recycle.runtime.shared.records import (
+    AgentEnd,
     AgentReport,
     Change,
     CheckIn,
@@ -328,12 +329,12 @@ class JobStore(ABC):
         """Node ``node``'s kill order ``index`` (None: counted, not yet written)."""
 
     @abstractmethod
-    def end_node(self, node: int, code: int) -> None:
-        """Node ``node``'s agent ends with exit code ``code``."""
+    def end_node(self, node: int, end: AgentEnd) -> None:
+        """Node ``node``'s agent ends (its incarnation and exit code)."""
 
     @abstractmethod
-    def node_end(self, node: int) -> int | None:
-        """The exit code node ``node``'s agent ended with (None: not ended, or it died)."""
+    def node_end(self, node: int) -> AgentEnd | None:
+        """How node ``node``'s latest agent to end ended (None: none ended, or it died)."""
 
     # ---- what the ranks publish --------------------------------------------------------------------
 

@@ -50,7 +50,8 @@ lease/<node>                    :class:`Lease` JSON, renewed by the node's agent
 domain/<node>                   the node's failure domain (``--domain``; "" for none)  agent
 report_count, report/<k>        :class:`AgentReport` JSON: a rank started or exited    agent
 kill_count/<node>, kill/<node>/<k>  slot and incarnation the node's agent must kill    launcher
-ended/<node>                    the node's agent's exit code, written as it ends       agent
+ended/<node>                    :class:`AgentEnd` JSON: the agent's incarnation and     agent
+                                exit code, written as it ends
 recycle/eval_committed          the last evaluation batch a member finished: its key   members
                                 and loss (JSON)
 coordinator_cursor              the next request and report the coordinator reads     launcher

@@ -150,6 +150,23 @@ class Lease:
 
 
 @dataclass(frozen=True)
+class AgentEnd:
+    """A node's agent ended with exit code ``code``; ``node_incarnation`` tells it from a later
+    agent of the same node (one re-admitted after it)."""
+
+    node_incarnation: int
+    code: int
+
+    def to_json(self) -> str:
+        return json.dumps({"node_incarnation": self.node_incarnation, "code": self.code})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> AgentEnd:
+        data = json.loads(text)
+        return cls(int(data["node_incarnation"]), int(data["code"]))
+
+
+@dataclass(frozen=True)
 class CheckIn:
     """An agent waits for the coordinator to start a generation; ``last_generation`` is the one its
     ranks ran last (-1: none, a fresh agent)."""
