@@ -52,7 +52,9 @@ class DeepSpeedMonitors:
     """ReCycle's events written to the monitors of the DeepSpeed config, as ``Recycle/...`` series
     stepped by ``global_samples`` like DeepSpeed's own. DeepSpeed opens them on global rank 0 only;
     the engine calls this on the lowest live rank, which is rank 0 of every epoch's world, so a new
-    leader opens its own writers at its first event."""
+    leader opens its own writers at its first event. An iteration is written at least once: the
+    one a leader died after may be written again by the next leader, at the same step (the dead
+    leader wrote it as it finished, the survivors kept it at its boundary)."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine

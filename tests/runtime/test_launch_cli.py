@@ -311,6 +311,27 @@ def test_timeout_kills_every_rank_and_its_children_but_nothing_else(tmp_path, jo
         sleeper.wait()
 
 
+ABORT_SCRIPT = """
+import os, threading, time
+threading.Thread(target=time.sleep, args=(60,), name="a-helper", daemon=True).start()
+os.abort()
+"""
+
+
+@pytest.mark.parametrize("preload", [False, True], ids=["spawned", "preloaded"])
+def test_a_rank_killed_by_sigabrt_leaves_every_threads_python_stack_in_its_log(tmp_path, jobs, preload):
+    script = write(tmp_path, "ranks.py", ABORT_SCRIPT)
+    logs = tmp_path / "logs"
+    args = ["--nproc", "1", *(["--preload"] if preload else []), "--timeout", "60", "--log-dir", str(logs), script]
+    job = jobs(args, timeout=120.0)
+    assert job.finish() == 1, "\n".join(job.lines)
+    job.wait_for(r"rank 0 exited \(signal SIGABRT\)")
+    log = (logs / "rank0.log").read_text()
+    assert "Fatal Python error: Aborted" in log, log
+    assert f'File "{script}", line 4 in <module>' in log, log
+    assert len(re.findall(r"^Thread 0x|^Current thread 0x", log, re.M)) == 2, log
+
+
 TERM_SCRIPT = """
 import os, signal, sys, time
 rank = int(os.environ["RANK"])

@@ -43,6 +43,9 @@ CHECK_IN_POLL_SECONDS = 0.05
 TIMEOUT_EXIT_CODE = 124
 FENCE_CHECK_SECONDS = 1.0
 """How often the coordinator looks whether every node's agent fenced its ranks (see every_node_fenced)."""
+FENCED_CHECK_IN_SECONDS_PER_LEASE = 2.0
+"""How long, in node leases, the coordinator waits before it ends the job for nodes whose leases
+lapsed: long enough for agents that fenced themselves to check in again (see :func:`coordinate`)."""
 ROLE_LOST_EXIT_CODE = 3
 """The coordinator's role passed to another agent (etcd) while this one held it."""
 FAILURE_EXIT_CODE = 1
@@ -372,6 +375,7 @@ def coordinate(
     Returns ROLE_LOST_EXIT_CODE as soon as ``still_held()`` is false (the role passed to another)."""
     config = host.config
     deadline = None if timeout is None else time.monotonic() + timeout
+    gone_since: float | None = None
     try:
         generation = host.running_generation()
         if generation is not None:
@@ -406,15 +410,23 @@ def coordinate(
                 log(f"{why}restarting every rank from the checkpoint (generation {generation})")
                 emit("restarting", generation=generation)
                 host.start(generation)
+                gone_since = None
                 continue
             ended = host.nodes_ended()
             if ended is None:
+                gone_since = None
                 continue
             died = sorted(node for node, code in ended.items() if code is None)
             failed = sorted(node for node, code in ended.items() if code not in (0, None))
             if not died and not failed:
                 log("job finished: every node's agent exited 0")
                 return 0
+            if died:
+                # A lease that lapsed may be a fence (etcd out of reach of every node): such an agent
+                # checks in again as soon as the store answers, and every_node_fenced restarts the job.
+                gone_since = time.monotonic() if gone_since is None else gone_since
+                if time.monotonic() - gone_since < FENCED_CHECK_IN_SECONDS_PER_LEASE * config.node_lease:
+                    continue
             log(f"job ended: nodes {failed} exited non-zero, nodes {died} are gone (their leases lapsed)")
             return FAILURE_EXIT_CODE
     except NodesMissing as missing:

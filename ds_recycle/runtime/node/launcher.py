@@ -469,6 +469,7 @@ class Launcher:
         env.setdefault("DS_ACCELERATOR", "cuda" if self.config.backend == "nccl" else "cpu")
         env[keys.ENV_BACKEND] = self.config.backend
         env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("PYTHONFAULTHANDLER", "1")  # a rank killed by SIGABRT or SIGSEGV logs every thread's stack
         env[keys.ENV_BEATS] = self.beats_dir
         env.pop("LOCAL_SIZE", None)  # would turn on DeepSpeed's shm all-reduce (66 MB a rank, leaked on SIGKILL)
         return env

@@ -13,7 +13,7 @@ The launcher hands it what waitpid sees; in a thread of its own (with its own st
   at most the lease timeout: a partition, the coordinator's host gone, or this node frozen and
   thawed): it kills every rank of the node at once, so that a node the coordinator may already
   have declared dead never comes back as a zombie member;
-- writes the agent's exit code (``ended/<K>``) as it ends.
+- writes the agent's incarnation and exit code (``ended/<K>``) as it ends.
 
 After a fence the launcher waits for a coordinator at the endpoint (:func:`await_generation`): a
 restarted one runs a later generation and the node's ranks start again in it; the same one still
