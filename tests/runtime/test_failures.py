@@ -39,6 +39,16 @@ HANG_TIMEOUT = "3"
 """--heartbeat-min-timeout for these jobs: a SIGSTOPped rank is declared failed after 3 s."""
 
 
+def start_with_faults(job: Job, faults: list[tuple[list[int], int]]) -> None:
+    """Start ``job`` and :func:`run_faults` on it; on any error kill what it started."""
+    job.start()
+    try:
+        run_faults(job, faults)
+    except BaseException:
+        job.kill()
+        raise
+
+
 def run_faults(job: Job, faults: list[tuple[list[int], int]]) -> None:
     """``faults``: (slots, signal) in order; each slot is parked at its trap when signalled, then
     re-joins after the survivors ran a few iterations on the adapted plan. A trap must lie beyond
@@ -109,13 +119,8 @@ def test_a_killed_rank_is_survived_and_rejoins(tmp_path, tmp_path_factory, optim
     points = [f"{slot(dp, p, s)}:{point}:{it}" for p, s, point, it in traps]
     job = Job(tmp_path, pp, dp, STEPS, job_config(), optimizer, traps=points)
     job.launcher_args = ["--heartbeat-min-timeout", HANG_TIMEOUT]
-    job.start()
     signals = [signal.SIGKILL, signal.SIGKILL, signal.SIGSTOP if optimizer == "sgd" else signal.SIGKILL]
-    try:
-        run_faults(job, [([slot(dp, p, s)], sig) for (p, s, _, _), sig in zip(traps, signals, strict=True)])
-    except BaseException:
-        job.kill()
-        raise
+    start_with_faults(job, [([slot(dp, p, s)], sig) for (p, s, _, _), sig in zip(traps, signals, strict=True)])
     if optimizer == "sgd":
         assert job.count(r"published failure of slot 1: heartbeat stale") == 1, "the SIGSTOP is a hang"
     check(job, reference, len(traps))
@@ -130,12 +135,7 @@ def test_a_last_stage_worker_killed_at_its_loss_all_reduce(tmp_path, tmp_path_fa
     reference = fault_free(tmp_path_factory, pp, dp, STEPS, "sgd")
     victim = slot(dp, 1, 1)
     job = Job(tmp_path, pp, dp, STEPS, job_config(), "sgd", traps=[f"{victim}:loss:3"])
-    job.start()
-    try:
-        run_faults(job, [([victim], signal.SIGKILL)])
-    except BaseException:
-        job.kill()
-        raise
+    start_with_faults(job, [([victim], signal.SIGKILL)])
     survivor = (tmp_path / "logs" / f"rank{slot(dp, 0, 1)}.log").read_text()
     assert re.search(r"slot \d+ stopped by a failure at iteration 3: .*the loss all-reduce", survivor), survivor[-3000:]
     check(job, reference, 1)
@@ -268,12 +268,7 @@ def test_a_member_killed_after_every_member_entered_the_new_epoch(tmp_path, tmp_
     reference = fault_free(tmp_path_factory, pp, dp, STEPS, "adam")
     first, building = slot(dp, 0, 1), slot(dp, 1, 0)
     job = Job(tmp_path, pp, dp, STEPS, job_config(), "adam", traps=[f"{first}:F:3", f"{building}:building:3"])
-    job.start()
-    try:
-        run_faults(job, [([first, building], signal.SIGKILL)])
-    except BaseException:
-        job.kill()
-        raise
+    start_with_faults(job, [([first, building], signal.SIGKILL)])
     check(job, reference, 2)
     survivor = (tmp_path / "logs" / f"rank{slot(dp, 1, 1)}.log").read_text()
     assert "another failure during recovery" in survivor, survivor[-3000:]
@@ -296,12 +291,7 @@ def test_a_member_killed_before_its_pair_groups_exist_stops_no_survivor(tmp_path
     config = job_config()
     config["recycle"]["profile"] = False
     job = Job(tmp_path, pp, dp, STEPS, config, "adam", traps=[f"{first}:F:3", f"{building}:building:3"])
-    job.start()
-    try:
-        run_faults(job, [([first, building], signal.SIGKILL)])
-    except BaseException:
-        job.kill()
-        raise
+    start_with_faults(job, [([first, building], signal.SIGKILL)])
     recovered = check(job, reference, 2)
     assert recovered and max(recovered) < 10_000, recovered
 
@@ -363,12 +353,7 @@ def test_a_failure_while_the_script_saves_a_checkpoint_is_recovered_and_the_chec
     killed = slot(dp, 0, 1)
     job = Job(tmp_path, pp, dp, STEPS, job_config(), "adam", traps=[f"{killed}:checkpoint:8"])
     job.worker_args = ["--save-every", "4"]
-    job.start()
-    try:
-        run_faults(job, [([killed], signal.SIGKILL)])
-    except BaseException:
-        job.kill()
-        raise
+    start_with_faults(job, [([killed], signal.SIGKILL)])
     check(job, reference, 1)
     saving = r"stopped by a failure at iteration 8: (a failure was announced during )?the checkpoint in "
     assert job.count_in_rank_logs(saving) == pp * dp - 1, job.log_tail()
